@@ -1,0 +1,28 @@
+"""lightning-remat: train within a memory budget by recomputing or offloading activations.
+
+``import lightning_remat`` registers ``Trainer(strategy="remat")``; outside Lightning,
+``lightning_remat.remat(module, example_input, memory_budget)`` is the one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_remat.budget import parse_budget
+from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
+from lightning_remat.graph.ir import Graph, Node
+from lightning_remat.solvers.plan import Plan, Stage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Graph", "Node", "Plan", "RematError", "RematInfeasibleError", "Stage", "TraceError",
+    "__version__", "parse_budget", "remat",
+]
+
+
+def remat(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`lightning_remat.runtime.apply.remat`."""
+    from lightning_remat.runtime.apply import remat as _remat
+
+    return _remat(*args, **kwargs)

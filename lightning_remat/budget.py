@@ -1,0 +1,66 @@
+"""Memory budgets as users write them: bytes, ``"4GiB"``, ``"512MB"``, ``"60%"``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+ACCEPTED_FORMS = (
+    "an int number of bytes (4294967296), a size string ('4GiB', '512MB', '1.5 GiB'), "
+    "or a fraction of the plain step's peak ('60%', 0.6 as a float)"
+)
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
+
+
+def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None = None) -> int | None:
+    """Bytes a budget stands for. ``None`` stays ``None`` (no limit). Percentages and
+    floats in (0, 1] are fractions of ``plain_peak_bytes``, which must then be given."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool):
+        raise ValueError(f"memory_budget={budget!r} is not a budget; accepted: {ACCEPTED_FORMS}")
+    fraction: float | None = None
+    if isinstance(budget, int):
+        nbytes = budget
+    elif isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(
+                f"memory_budget={budget!r}: a float is a fraction of the plain peak in (0, 1]; "
+                f"accepted: {ACCEPTED_FORMS}"
+            )
+        fraction = budget
+        nbytes = 0
+    elif isinstance(budget, str):
+        match = _PATTERN.match(budget)
+        if not match:
+            raise ValueError(f"memory_budget={budget!r} is not understood; accepted: {ACCEPTED_FORMS}")
+        number, unit = float(match.group(1)), match.group(2)
+        if unit == "%":
+            if not 0 < number <= 100:
+                raise ValueError(f"memory_budget={budget!r}: a percentage must be in (0, 100]")
+            fraction = number / 100
+            nbytes = 0
+        else:
+            factor = _UNITS.get(unit.lower())
+            if factor is None:
+                raise ValueError(
+                    f"memory_budget={budget!r}: unknown unit {unit!r}; accepted: {ACCEPTED_FORMS}"
+                )
+            nbytes = int(number * factor)
+    else:
+        raise ValueError(f"memory_budget={budget!r} has type {type(budget).__name__}; accepted: {ACCEPTED_FORMS}")
+    if fraction is not None:
+        if plain_peak_bytes is None:
+            raise ValueError(
+                f"memory_budget={budget!r} is relative to the plain step's peak, which is not "
+                "known here; give bytes or a size string instead"
+            )
+        nbytes = int(fraction * plain_peak_bytes)
+    if nbytes <= 0:
+        raise ValueError(f"memory_budget={budget!r} must be positive; accepted: {ACCEPTED_FORMS}")
+    return nbytes

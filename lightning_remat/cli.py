@@ -1,0 +1,141 @@
+"""``lightning-remat``: profile a model, solve a graph, find the smallest budget."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from lightning_remat.errors import RematError, RematInfeasibleError, format_bytes
+
+
+def load_model(spec: str):
+    """A torchvision model by name (``resnet50``) or ``package.module:factory``."""
+    if ":" in spec:
+        module_name, attr = spec.split(":", 1)
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise SystemExit(f"error: cannot load {spec!r}: {exc}") from exc
+        return factory()
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit(
+            f"error: {spec!r} names a torchvision model but torchvision is not installed "
+            "(pip install 'lightning-remat[vision]'), or give module.path:factory"
+        ) from None
+    try:
+        return torchvision.models.get_model(spec)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_remat.graph.profile import profile_module
+
+    model = load_model(args.model)
+    shape = [args.batch_size, *[int(s) for s in args.input_shape.split(",")]]
+    if args.dtype == "long":
+        example = torch.randint(0, args.vocab, shape, device=args.device)
+    else:
+        example = torch.randn(*shape, device=args.device)
+    model = model.to(args.device)
+    graph = profile_module(model, example, safe=args.safe)
+    graph.save(args.out)
+    peak = graph.meta.get("plain_peak_bytes")
+    extra = f", measured plain peak {format_bytes(peak)}" if peak else ""
+    print(f"wrote {args.out}: {len(graph)} vertices, {len(graph.edges)} edges{extra}")
+    return 0
+
+
+def _print_plan(plan, graph) -> None:
+    print(f"solver: {plan.solver}   feasible: {plan.feasible}")
+    print(f"predicted peak: {format_bytes(plan.predicted_peak_bytes)}   "
+          f"predicted extra time: {plan.predicted_extra_seconds * 1e3:.3f} ms")
+    print(f"{'stage':>5}  {'action':<9} {'vertices':>8}  {'bytes':>12}  first .. last")
+    for k, stage in enumerate(plan.stages):
+        nbytes = graph.total("mem", stage.nodes)
+        print(f"{k:>5}  {stage.action:<9} {len(stage.nodes):>8}  {format_bytes(nbytes):>12}  "
+              f"{stage.nodes[0]} .. {stage.nodes[-1]}")
+    print(f"stored: {len(plan.stored)} vertices, {format_bytes(graph.total('mem', plan.stored))}")
+    for note in plan.notes:
+        print(f"note: {note}")
+
+
+def _cmd_solve(args: argparse.Namespace) -> int:
+    from lightning_remat.budget import parse_budget
+    from lightning_remat.graph.ir import Graph
+    from lightning_remat.solvers import get_solver, min_budget, plain_plan
+
+    graph = Graph.load(args.graph)
+    budget = parse_budget(args.budget, plain_plan(graph).predicted_peak_bytes)
+    plan = get_solver(args.solver)(graph, budget)
+    if not plan.feasible:
+        raise RematInfeasibleError(budget or 0, min_budget(graph, args.solver), args.solver)
+    if args.json:
+        print(plan.to_json(indent=1))
+    else:
+        _print_plan(plan, graph)
+    return 0
+
+
+def _cmd_min_budget(args: argparse.Namespace) -> int:
+    from lightning_remat.graph.ir import Graph
+    from lightning_remat.solvers import min_budget
+
+    graph = Graph.load(args.graph)
+    nbytes = min_budget(graph, args.solver)
+    print(f"{nbytes}\t{format_bytes(nbytes)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-remat", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="trace and profile a model, write its graph JSON")
+    p.add_argument("model", help="torchvision model name (resnet50) or module.path:factory")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-shape", default="3,224,224", help="per-sample shape, comma separated")
+    p.add_argument("--dtype", choices=["float", "long"], default="float",
+                   help="long: integer token ids in [0, --vocab)")
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--safe", action="store_true", help="memory-safe profiling (every stage recomputed)")
+    p.add_argument("--out", "-o", default="graph.json")
+    p.set_defaults(func=_cmd_profile)
+
+    from lightning_remat.solvers import SOLVERS
+
+    p = sub.add_parser("solve", help="plan a graph for a budget")
+    p.add_argument("--graph", required=True)
+    p.add_argument("--budget", required=True, help="bytes, '4GiB', '512MB' or '60%%' of the plain peak")
+    p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
+    p.add_argument("--json", action="store_true", help="print the plan JSON")
+    p.set_defaults(func=_cmd_solve)
+
+    p = sub.add_parser("min-budget", help="smallest budget a solver reaches on a graph")
+    p.add_argument("--graph", required=True)
+    p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
+    p.set_defaults(func=_cmd_min_budget)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RematInfeasibleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (RematError, ValueError, NotImplementedError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Solvers: each reads a Graph and a budget and returns a Plan.
+
+Every solver has the signature ``solver(graph, budget_bytes, **options) -> Plan``; a budget
+of ``None`` means no limit. A solver that cannot meet the budget returns its best plan with
+``feasible=False`` rather than raising, so callers can report how far off it was.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.plan import Plan, Stage, make_plan, plain_plan
+
+__all__ = [
+    "SOLVERS", "Plan", "Stage", "get_solver", "make_plan", "min_budget", "plain_plan", "solve",
+]
+
+# name -> "module:function"; imported on first use so one broken solver cannot break the rest.
+SOLVERS: dict[str, str] = {
+    "plain": "lightning_remat.solvers.plan:_solve_plain",
+    "chen": "lightning_remat.solvers.chen:solve_chen_sqrt",
+    "chen-greedy": "lightning_remat.solvers.chen:solve_chen_greedy",
+    "feng": "lightning_remat.solvers.feng:solve_feng",
+    "hong-cubic": "lightning_remat.solvers.hong:solve_hong_cubic",
+    "hong-linear": "lightning_remat.solvers.hong:solve_hong_linear",
+    "kusumoto-tc": "lightning_remat.solvers.kusumoto:solve_approx_tc",
+    "kusumoto-mc": "lightning_remat.solvers.kusumoto:solve_approx_mc",
+    "kusumoto-exact-tc": "lightning_remat.solvers.kusumoto:solve_exact_tc",
+    "kusumoto-exact-mc": "lightning_remat.solvers.kusumoto:solve_exact_mc",
+    "lower-bound": "lightning_remat.solvers.offload:solve_lower_bound",
+    "greedy": "lightning_remat.solvers.offload:solve_greedy",
+    "dynprog": "lightning_remat.solvers.offload:solve_dynprog",
+    "vdnn": "lightning_remat.solvers.offload:solve_vdnn",
+    "auto": "lightning_remat.solvers.auto:solve_auto",
+}
+
+SolverFn = Callable[..., Plan]
+
+
+def get_solver(name: str) -> SolverFn:
+    """The solver function registered under ``name``."""
+    try:
+        target = SOLVERS[name]
+    except KeyError:
+        raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}") from None
+    module_name, function_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, function_name)
+    except (ImportError, AttributeError) as exc:
+        raise NotImplementedError(f"solver {name!r} is not available: {exc}") from exc
+
+
+def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **options: Any) -> Plan:
+    """Plan for a budget; raise RematInfeasibleError (with the smallest feasible budget)
+    when the solver cannot meet it."""
+    plan = get_solver(solver)(graph, budget_bytes, **options)
+    if not plan.feasible:
+        raise RematInfeasibleError(budget_bytes or 0, min_budget(graph, solver, **options), solver)
+    return plan
+
+
+def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
+    """The smallest budget for which ``solver`` returns a feasible plan, by binary search
+    over bytes between 0 and the plain plan's predicted peak (feasibility is monotone in
+    the budget for every solver here). A solver module may define its own
+    ``min_budget_<function>`` to do better."""
+    fn = get_solver(solver)
+    own = getattr(importlib.import_module(fn.__module__), f"min_budget_{fn.__name__}", None)
+    if own is not None:
+        return int(own(graph, **options))
+    hi = max(plain_plan(graph).predicted_peak_bytes, 1)
+    if not fn(graph, hi, **options).feasible:
+        # The solver's best plan may still exceed the plain peak (it reports its own peak).
+        return int(fn(graph, None, **options).predicted_peak_bytes)
+    lo = 0  # infeasible (no step fits in zero bytes unless the graph is empty)
+    while hi - lo > max(1, hi // 100_000):
+        mid = (lo + hi) // 2
+        if fn(graph, mid, **options).feasible:
+            hi = mid
+        else:
+            lo = mid
+    return int(hi)

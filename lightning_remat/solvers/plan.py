@@ -1,0 +1,184 @@
+"""The one Plan type every solver returns.
+
+A plan cuts the graph's vertices into stages in forward order. Each stage has an action:
+
+- ``keep``: run as usual; autograd keeps what the ops save;
+- ``recompute``: run under non-reentrant checkpoint; only the stage's inputs are kept and the
+  stage's forward runs again during the backward;
+- ``offload``: run as usual, but what the ops save goes to host memory and comes back for
+  the backward.
+
+JSON form (exactly these keys)::
+
+    {"stages": [{"nodes": ["conv1", "bn1"], "action": "recompute"}, ...],
+     "stored": ["relu1", ...], "predicted_peak_bytes": 123, "predicted_extra_seconds": 0.01,
+     "solver": "kusumoto-tc", "feasible": true}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_remat.graph.ir import Graph
+
+ACTIONS = ("keep", "recompute", "offload")
+PLAN_KEYS = ("stages", "stored", "predicted_peak_bytes", "predicted_extra_seconds", "solver", "feasible")
+
+
+@dataclass
+class Stage:
+    nodes: list[str]
+    action: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"stage action {self.action!r} is not one of {ACTIONS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": list(self.nodes), "action": self.action}
+
+
+@dataclass
+class Plan:
+    stages: list[Stage]
+    stored: list[str]
+    predicted_peak_bytes: int
+    predicted_extra_seconds: float
+    solver: str
+    feasible: bool
+    notes: list[str] = field(default_factory=list, compare=False)
+    """Why the solver chose this plan (not part of the JSON form)."""
+
+    # ---- derived views ------------------------------------------------------------------
+    def action_of(self) -> dict[str, str]:
+        """Each vertex's action."""
+        return {nid: stage.action for stage in self.stages for nid in stage.nodes}
+
+    def stage_of(self) -> dict[str, int]:
+        """Each vertex's stage index."""
+        return {nid: k for k, stage in enumerate(self.stages) for nid in stage.nodes}
+
+    def count(self, action: str) -> int:
+        """How many stages have an action."""
+        return sum(1 for s in self.stages if s.action == action)
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stages": [s.to_dict() for s in self.stages],
+            "stored": list(self.stored),
+            "predicted_peak_bytes": int(self.predicted_peak_bytes),
+            "predicted_extra_seconds": float(self.predicted_extra_seconds),
+            "solver": self.solver,
+            "feasible": bool(self.feasible),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise ValueError("a plan is a JSON object")
+        missing = [k for k in PLAN_KEYS if k not in data]
+        unknown = sorted(set(data) - set(PLAN_KEYS))
+        if missing or unknown:
+            raise ValueError(f"plan keys: missing {missing}, unknown {unknown}; expected {list(PLAN_KEYS)}")
+        stages = [Stage(list(s["nodes"]), s["action"]) for s in data["stages"]]
+        return cls(
+            stages=stages,
+            stored=list(data["stored"]),
+            predicted_peak_bytes=int(data["predicted_peak_bytes"]),
+            predicted_extra_seconds=float(data["predicted_extra_seconds"]),
+            solver=str(data["solver"]),
+            feasible=bool(data["feasible"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    # ---- checks -------------------------------------------------------------------------
+    def validate(self, graph: Graph) -> None:
+        """Raise ValueError unless the stages cover every vertex once, in an order the
+        edges allow (no edge runs from a later stage to an earlier one)."""
+        seen: dict[str, int] = {}
+        for k, stage in enumerate(self.stages):
+            if not stage.nodes:
+                raise ValueError(f"stage {k} is empty")
+            for nid in stage.nodes:
+                if nid not in graph:
+                    raise ValueError(f"stage {k} names unknown vertex {nid!r}")
+                if nid in seen:
+                    raise ValueError(f"vertex {nid!r} is in stages {seen[nid]} and {k}")
+                seen[nid] = k
+        missing = [nid for nid in graph.ids if nid not in seen]
+        if missing:
+            raise ValueError(f"vertices in no stage: {missing[:8]}")
+        for u, v in graph.edges:
+            if seen[u] > seen[v]:
+                raise ValueError(f"edge {u!r} -> {v!r} runs from stage {seen[u]} back to {seen[v]}")
+        unknown = [nid for nid in self.stored if nid not in graph]
+        if unknown:
+            raise ValueError(f"stored names unknown vertices {unknown[:8]}")
+
+
+def boundary(graph: Graph, stages: list[Stage]) -> list[str]:
+    """Vertices whose value crosses from one stage into a later one (the stored boundary)."""
+    stage_of = {nid: k for k, stage in enumerate(stages) for nid in stage.nodes}
+    return [
+        nid for nid in graph.ids
+        if any(stage_of[w] > stage_of[nid] for w in graph.successors(nid))
+    ]
+
+
+def make_plan(
+    graph: Graph,
+    stages: list[Stage] | list[tuple[list[str], str]],
+    solver: str,
+    budget_bytes: int | None = None,
+    stored: list[str] | None = None,
+    extra_seconds: float | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    """A Plan with its derived fields filled in: stages ordered topologically inside,
+    ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
+    predicted peak, the recomputation time (default: the forward time of every recomputed
+    stage) and ``feasible`` (predicted peak within the budget; True without a budget)."""
+    from lightning_remat.solvers.simulate import simulate
+
+    stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
+    for s in stage_list:
+        s.nodes = sorted(s.nodes, key=graph.position)
+    if stored is None:
+        crossing = set(boundary(graph, stage_list))
+        kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
+        stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
+    if extra_seconds is None:
+        extra_seconds = sum(
+            graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"
+        )
+    plan = Plan(
+        stages=stage_list,
+        stored=list(stored),
+        predicted_peak_bytes=0,
+        predicted_extra_seconds=float(extra_seconds),
+        solver=solver,
+        feasible=True,
+        notes=list(notes or []),
+    )
+    plan.validate(graph)
+    plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
+    plan.feasible = budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes
+    return plan
+
+
+def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
+    """Keep everything: the plan of ordinary training."""
+    return make_plan(graph, [Stage(graph.ids, "keep")], "plain", budget_bytes)
+
+
+def _solve_plain(graph: Graph, budget_bytes: int | None = None, **_: object) -> Plan:
+    return plain_plan(graph, budget_bytes)
