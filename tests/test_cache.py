@@ -1,0 +1,52 @@
+import sqlite3
+
+import pytest
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.runtime.cache import CacheKey, PlanCache
+from lightning_remat.solvers.plan import make_plan
+
+
+def _setup(tmp_path):
+    graph = Graph.chain([100] * 4)
+    plan = make_plan(graph, [(graph.ids[:2], "recompute"), (graph.ids[2:], "keep")], "test")
+    key = CacheKey(graph.graph_hash(), ((8, 3, 32, 32),), "float32", "cpu", 1000, "auto")
+    return PlanCache(tmp_path / "plans.sqlite"), key, graph, plan
+
+
+def test_hit_after_put_and_miss_on_any_other_key(tmp_path):
+    cache, key, graph, plan = _setup(tmp_path)
+    assert cache.get(key) is None
+    cache.put(key, graph, plan)
+    entry = PlanCache(tmp_path / "plans.sqlite").get(key)  # a new process would open anew
+    assert entry is not None and entry.plan == plan and entry.graph.to_dict() == graph.to_dict()
+    for changed in (dict(budget_bytes=999), dict(input_shapes=((4, 3, 32, 32),)), dict(solver="x")):
+        other = CacheKey(**{**key.__dict__, **changed})
+        assert cache.get(other) is None
+
+
+def test_corrupted_entry_is_ignored_with_a_warning_and_dropped(tmp_path):
+    cache, key, graph, plan = _setup(tmp_path)
+    cache.put(key, graph, plan)
+    with sqlite3.connect(cache.path) as db:
+        db.execute("UPDATE plans SET plan = ?", ('{"stages": [{"nodes": ["nope"], "action": "keep"}]',))
+    with pytest.warns(UserWarning, match="corrupted or stale"):
+        assert cache.get(key) is None
+    assert len(cache) == 0
+
+
+def test_plan_that_does_not_cover_the_graph_is_stale(tmp_path):
+    cache, key, graph, plan = _setup(tmp_path)
+    bad = make_plan(graph, [(graph.ids, "keep")], "test")
+    bad.stages[0].nodes = graph.ids[:3]
+    cache.put(key, graph, bad)
+    with pytest.warns(UserWarning, match="in no stage"):
+        assert cache.get(key) is None
+
+
+def test_unreadable_file_is_moved_aside(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.warns(UserWarning, match="unreadable"):
+        cache = PlanCache(path)
+    assert len(cache) == 0 and (tmp_path / "plans.sqlite.corrupt").exists()
