@@ -12,11 +12,12 @@ from lightning_remat.budget import parse_budget
 from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.strategy import RematDDPStrategy, RematStrategy  # registers "remat"
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Graph", "Node", "Plan", "RematError", "RematInfeasibleError", "Stage", "TraceError",
+    "Graph", "Node", "Plan", "RematDDPStrategy", "RematError", "RematStrategy", "RematInfeasibleError", "Stage", "TraceError",
     "__version__", "parse_budget", "remat",
 ]
 

@@ -64,3 +64,8 @@ def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None 
     if nbytes <= 0:
         raise ValueError(f"memory_budget={budget!r} must be positive; accepted: {ACCEPTED_FORMS}")
     return nbytes
+
+
+def validate_budget(budget: int | float | str | None) -> None:
+    """Raise the ValueError parse_budget would, without knowing the plain peak yet."""
+    parse_budget(budget, plain_peak_bytes=2**50)
