@@ -93,6 +93,19 @@ def _cmd_min_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from lightning_remat.report import read_run, write_png
+
+    report = read_run(args.run_dir)
+    out = write_png(report, args.out or report.event_dir / "remat_timeline.png")
+    print(report.plan_text or "(no plan table logged)")
+    if report.measured:
+        print(f"\nmeasured peak {format_bytes(max(report.measured))}, "
+              f"predicted peak {format_bytes(max(report.predicted))}")
+    print(f"timeline written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-remat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", required=True)
     p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
     p.set_defaults(func=_cmd_min_budget)
+
+    p = sub.add_parser("report", help="timeline PNG and plan table of a run's TensorBoard logs")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default: beside the event file)")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

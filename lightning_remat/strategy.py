@@ -81,10 +81,12 @@ class _RematLogic:
             cache_dir = Path(trainer.default_root_dir) / "lightning_remat"
         cache = PlanCache(Path(cache_dir) / "plans.sqlite")
         broadcast = self.broadcast if getattr(self, "world_size", 1) > 1 else None
+        dashboards = self._add_dashboards(trainer)
         self.planner = ShapePlanner(
             module, self.memory_budget, self.solver, cache=cache,
             profile_repeats=self.profile_steps, safe_profile=self.safe_profile,
             broadcast=broadcast, on_plan=self._on_plan, restored=self._restored,
+            keep_example=dashboards, solver_options=self._solver_options(),
         )
         original_forward = module.forward
         strategy = self
@@ -100,6 +102,20 @@ class _RematLogic:
 
         module.forward = types.MethodType(forward, module)
         self._target_module = module
+
+    def _solver_options(self) -> dict[str, Any]:
+        return {"allow_offload": self.offload} if self.solver == "auto" else {}
+
+    @staticmethod
+    def _add_dashboards(trainer: Any) -> bool:
+        """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
+        from lightning_remat.callbacks.memory_timeline import MemoryTimelineLogger
+
+        if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
+            return False
+        if not any(isinstance(cb, MemoryTimelineLogger) for cb in trainer.callbacks):
+            trainer.callbacks.append(MemoryTimelineLogger())
+        return True
 
     def _remat_uninstall(self) -> None:
         if self._target_module is not None and "forward" in self._target_module.__dict__:

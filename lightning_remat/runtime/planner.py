@@ -68,6 +68,37 @@ class PlannedModule:
     plan: Plan
     budget_bytes: int | None
     from_cache: bool
+    example: tuple[tuple, dict] | None = None
+    """The call it was planned for, kept on the host (for dashboards that replay it)."""
+
+    def predicted_timeline(self):  # -> solvers.simulate.Timeline
+        """Live bytes after every op of a step under this plan, as the simulator predicts."""
+        from lightning_remat.solvers.simulate import simulate
+
+        return simulate(self.graph, self.plan)
+
+    def measure_timeline(self) -> list:
+        """Live bytes after every op of one real step of the planned module on the planned
+        call; parameters, gradients and buffers are restored afterwards."""
+        from lightning_remat.runtime.memory import record_timeline
+        from lightning_remat.runtime.state import preserved_training_state
+
+        if self.example is None:
+            return []
+        device = device_of(self.module, ())
+        args, kwargs = _to_device(self.example, device)
+        with preserved_training_state(self.module):
+            return record_timeline(self.module, args, example_kwargs=kwargs)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def default_budget(device: torch.device, margin: float = 0.1) -> int | None:
@@ -93,6 +124,8 @@ class ShapePlanner:
         broadcast: Callable[[Any], Any] | None = None,
         on_plan: Callable[[PlannedModule, tuple], None] | None = None,
         restored: dict[str, tuple[str, str]] | None = None,
+        keep_example: bool = False,
+        solver_options: dict[str, Any] | None = None,
     ) -> None:
         validate_budget(memory_budget)  # fail now on a malformed budget
         self.module = module
@@ -109,9 +142,14 @@ class ShapePlanner:
         the cache."""
         self.busy = False
         """True while planning: the module's own forward must run plainly then."""
+        self.keep_example = keep_example
+        self.solver_options = dict(solver_options or {})
+        self.last: PlannedModule | None = None
+        """The entry used by the latest call."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.planned_for(args, kwargs).module(*args, **kwargs)
+        self.last = self.planned_for(args, kwargs)
+        return self.last.module(*args, **kwargs)
 
     def planned_for(self, args: tuple, kwargs: dict) -> PlannedModule:
         key = shape_key(args, kwargs)
@@ -171,7 +209,7 @@ class ShapePlanner:
                 if budget is None:
                     plan = plain_plan(graph)
                 else:
-                    plan = solve(graph, budget, self.solver)
+                    plan = solve(graph, budget, self.solver, **self.solver_options)
                 if self.cache is not None and cache_key is not None:
                     self.cache.put(cache_key, graph, plan)
         if self.broadcast is not None:
@@ -185,7 +223,8 @@ class ShapePlanner:
             plain_peak = graph.meta.get("plain_peak_bytes") or plain_plan(graph).predicted_peak_bytes
             budget = parse_budget(self.memory_budget, plain_peak) or default_budget(device)
         module = apply_traced(traced, plan)
-        return PlannedModule(module, graph, plan, budget, from_cache)
+        example = _to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
+        return PlannedModule(module, graph, plan, budget, from_cache, example)
 
     def _is_rank_zero(self) -> bool:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
