@@ -49,7 +49,7 @@ Choices where the paper is ambiguous (each also said where it is implemented):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
@@ -316,48 +316,46 @@ def articulation_chain(graph: Graph) -> list[str]:
     pos(u) < pos(v) < pos(w), counting edges from a virtual source and to a virtual sink);
     one sweep over the edges finds them, O(V + E)."""
     ids = graph.ids
-    if not ids:
+    count = len(ids)
+    if not count:
         return []
     position = {nid: k for k, nid in enumerate(ids)}
-    sources = [v for v in ids if not graph.predecessors(v)]
-    consumers = set(graph.meta.get("input_consumers") or [])
-    starts = [v for v in sources if v in consumers] or sources
-    sinks = [v for v in ids if not graph.successors(v)]
+    edges = [(position[u], position[w]) for u, w in graph.edges]
+    successors: list[list[int]] = [[] for _ in range(count)]
+    has_predecessor = [False] * count
+    for u, w in edges:
+        successors[u].append(w)
+        has_predecessor[w] = True
+    sources = [k for k in range(count) if not has_predecessor[k]]
+    consumers = {position[v] for v in graph.meta.get("input_consumers") or [] if v in position}
+    starts = [k for k in sources if k in consumers] or sources
+    sinks = [k for k in range(count) if not successors[k]]
 
-    reachable = set(starts)
-    for v in ids:  # topological order: predecessors first
-        if v in reachable:
-            reachable.update(graph.successors(v))
-    reaches_sink = set(sinks)
-    for v in reversed(ids):
-        if any(w in reaches_sink for w in graph.successors(v)):
-            reaches_sink.add(v)
-    on_paths = reachable & reaches_sink
-    if not on_paths:
-        return []
+    reachable = [False] * count
+    for k in starts:
+        reachable[k] = True
+    for k in range(count):  # topological order: predecessors first
+        if reachable[k]:
+            for w in successors[k]:
+                reachable[w] = True
+    # Every vertex of a DAG reaches some sink, so the vertices on input-to-output paths are
+    # the ones reachable from the starts.
+    on_paths = reachable
 
-    cover = [0] * (len(ids) + 1)  # difference array: how many edges jump over a position
-
-    def jump(u_pos: int, w_pos: int) -> None:
-        if w_pos - u_pos > 1:
-            cover[u_pos + 1] += 1
-            cover[w_pos] -= 1
-
-    for u, w in graph.edges:
-        if u in on_paths and w in on_paths:
-            jump(position[u], position[w])
-    for v in starts:
-        if v in on_paths:
-            jump(-1, position[v])
-    for v in sinks:
-        if v in on_paths:
-            jump(position[v], len(ids))
+    cover = [0] * (count + 1)  # difference array: how many edges jump over a position
+    jumps = [(u, w) for u, w in edges if on_paths[u] and on_paths[w]]
+    jumps += [(-1, k) for k in starts if on_paths[k]]  # from the virtual source
+    jumps += [(k, count) for k in sinks if on_paths[k]]  # to the virtual sink
+    for u, w in jumps:
+        if w - u > 1:
+            cover[u + 1] += 1
+            cover[w] -= 1
     chain = []
     covered = 0
-    for k, v in enumerate(ids):
+    for k in range(count):
         covered += cover[k]
-        if covered == 0 and v in on_paths:
-            chain.append(v)
+        if covered == 0 and on_paths[k]:
+            chain.append(ids[k])
     return chain
 
 
@@ -369,7 +367,7 @@ def _solve_on_graph(
     budget_bytes: int | None,
     options: dict[str, Any],
     solver_name: str,
-    select: Any,
+    select: Callable[[list[Number]], tuple[Number, list[int]]],
     description: str,
     objective_name: str,
 ) -> Plan:
@@ -410,8 +408,14 @@ def _solve_on_graph(
         stages.append(Stage(ids[start:cut + 1], "recompute"))
         start = cut + 1
     stages.append(Stage(ids[start:], "keep"))
-    return make_plan(graph, stages, solver_name, budget_bytes, stored=checkpoint_ids,
+    plan = make_plan(graph, stages, solver_name, budget_bytes, stored=checkpoint_ids,
                      notes=notes)
+    if not plan.feasible:
+        plan.notes.append(
+            f"the selection minimises peak memory whatever the budget: its predicted peak "
+            f"{plan.predicted_peak_bytes} bytes is the smallest budget this solver meets"
+        )
+    return plan
 
 
 def solve_hong_cubic(graph: Graph, budget_bytes: int | None = None, **options: Any) -> Plan:
