@@ -56,6 +56,9 @@ next to a leaking one), so the component form is used.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import heapq
+import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +67,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, make_plan
 
 __all__ = [
-    "DivisionNode", "FengSolution", "division_tree", "objective", "segments", "solve_arbitrary",
+    "DivisionNode", "FengSolution", "Segment", "division_tree", "objective", "segments", "solve_arbitrary",
     "solve_feng", "solve_linear", "two_endpoint_segments",
 ]
 
@@ -294,9 +297,24 @@ class DivisionNode:
     """Type 3: interior vertices that are endpoints of the maximal split's members."""
 
     def walk(self) -> Iterable[DivisionNode]:
-        yield self
-        for child in self.children:
-            yield from child.walk()
+        """This node and every node below it, depth first."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
+
+
+@contextlib.contextmanager
+def _deep_recursion(vertices: int):
+    """The division tree nests as deep as the graph's closed sets do (a few frames per
+    level); allow that for the duration of a solve."""
+    previous = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(previous, 8 * vertices + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(previous)
 
 
 class _AugmentedDag:
@@ -549,7 +567,10 @@ def division_tree(graph: Graph) -> DivisionNode:
     """The division tree (Definition 9) of the graph with its virtual source and target: the
     root is the whole graph, a closed set between the source (0) and the target (n+1)."""
     dag = _AugmentedDag(graph)
-    return _TreeBuilder(dag).build(dag.source, dag.target, list(range(1, len(graph) + 1)), len(graph) == 0)
+    with _deep_recursion(len(graph)):
+        return _TreeBuilder(dag).build(
+            dag.source, dag.target, list(range(1, len(graph) + 1)), len(graph) == 0
+        )
 
 
 # ---- Algorithm 5 (the supplement's recursion under a max term) ---------------------------
@@ -681,6 +702,11 @@ class FengSolution:
 
 
 def _solve_tree(graph: Graph, every_term: bool) -> tuple[FengSolution, DivisionNode]:
+    with _deep_recursion(len(graph)):
+        return _solve_tree_inner(graph, every_term)
+
+
+def _solve_tree_inner(graph: Graph, every_term: bool) -> tuple[FengSolution, DivisionNode]:
     dag = _AugmentedDag(graph)
     root = _TreeBuilder(dag).build(
         dag.source, dag.target, list(range(1, len(graph) + 1)), len(graph) == 0
@@ -746,8 +772,6 @@ def _stages(graph: Graph, stored: list[str]) -> list[Stage]:
             group_of[v] = len(groups)
             groups.append([v])
     # Order the groups topologically (ties by their first vertex's position).
-    import heapq
-
     count = len(groups)
     after: list[set[int]] = [set() for _ in range(count)]
     indegree = [0] * count
@@ -780,7 +804,14 @@ def _stages(graph: Graph, stored: list[str]) -> list[Stage]:
 def solve_feng(graph: Graph, budget_bytes: int | None = None, **options: object) -> Plan:
     """Feng and Huang's memory-optimal checkpoints as a Plan. The plan minimises eq. 1 and
     does not depend on the budget; ``feasible`` says whether its simulated peak fits.
-    Option ``every_term`` (bool): try every candidate max term (Algorithm 5 as printed)."""
+    Option ``every_term`` (bool): try every candidate max term (Algorithm 5 as printed).
+
+    ``stored`` is the checkpoints. Each recompute stage is one segment plus the checkpoint
+    that closes it (that op reads the segment, so its backward needs the segment back); the
+    runtime re-runs the whole stage, so ``predicted_extra_seconds`` is the forward time of
+    every vertex in a recompute stage, the closing checkpoints included. The paper's
+    assumption 2 (multi-input ops need not their inputs for backward) is not modelled: the
+    simulator counts what the ops really save."""
     unknown = sorted(set(options) - {"every_term"})
     if unknown:
         raise ValueError(f"feng: unknown options {unknown}; the only option is every_term")
