@@ -234,3 +234,38 @@ def test_cli_profile_writes_a_loadable_graph(tmp_path, capsys):
     assert main(["profile", "tests.models:tiny_lm", "--batch-size", "2", "--input-shape", "8",
                  "--dtype", "long", "--vocab", "50", "--safe", "-o", str(safe_path)]) == 0
     assert Graph.load(safe_path).meta["safe"] is True
+
+
+class Tricky(nn.Module):
+    """Dropout (RNG), a layer called twice (tied weights), in-place methods, a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.add_(1.0)
+        h = self.drop(h).relu_()
+        return {"out": self.fc(h), "aux": h.argmax(dim=1)}
+
+
+def test_dropout_tied_weights_inplace_and_dict_output():
+    model = Tricky().train()
+    x = torch.randn(4, 8)
+    normal = _fast(model, x)
+    safe = _fast(model, x, safe=True)
+    assert normal.ids == ["fc", "add_", "drop", "relu_", "fc_1", "argmax"]
+    # the Linear called twice owns its parameters once
+    assert normal.meta["param_bytes"] == {"fc": (8 * 8 + 8) * F32}
+    assert sorted(normal.meta["outputs"]) == ["argmax", "fc_1"]
+    assert normal.meta["aliases"] == {"add_": "fc", "relu_": "drop"}
+    # dropout keeps a mask of its own (float on CPU, bool with the fused CUDA kernel);
+    # relu_ keeps its result, which is dropout's storage
+    assert normal["drop"].saved in (4 * 8 * F32, 4 * 8) and normal.meta["saved_refs"]["drop"] == []
+    assert normal["relu_"].saved == 4 * 8 * F32 and normal.meta["saved_refs"]["relu_"] == ["drop"]
+    assert normal["argmax"].mem == 4 * 8  # int64 indices
+    assert [n.mem for n in safe] == [n.mem for n in normal]
+    assert [n.saved for n in safe] == [n.saved for n in normal]
+    assert safe.meta["saved_refs"] == normal.meta["saved_refs"]

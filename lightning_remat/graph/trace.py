@@ -149,12 +149,13 @@ def _devices_of(module: nn.Module, inputs: Sequence[Any]) -> list[torch.device]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal output structures with allclose tensors."""
-    la, sa = pytree.tree_flatten(a)
-    lb, sb = pytree.tree_flatten(b)
-    if sa != sb or len(la) != len(lb):
+    """Equal output structures (same key paths; fx returns immutable dicts and lists) with
+    allclose tensors."""
+    pa, _ = pytree.tree_flatten_with_path(a)
+    pb, _ = pytree.tree_flatten_with_path(b)
+    if [str(path) for path, _ in pa] != [str(path) for path, _ in pb]:
         return False
-    for x, y in zip(la, lb):
+    for (_, x), (_, y) in zip(pa, pb):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
         if isinstance(x, torch.Tensor):
