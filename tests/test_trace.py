@@ -183,3 +183,33 @@ def test_transformer_lm_traces_attention_ops():
 def test_trace_rejects_a_non_module():
     with pytest.raises(TypeError, match="nn.Module"):
         trace_module(lambda x: x, torch.randn(2))  # type: ignore[arg-type]
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return self.fc(out[:, -1] + h[-1] + c[-1])
+
+
+def test_nested_tuple_outputs_hang_off_the_op_owner():
+    traced = trace_module(Recurrent(), torch.randn(2, 5, 4))
+    graph = traced.graph
+    owner = traced.charge["lstm"]
+    assert "lstm" not in graph and owner in graph
+    assert graph.meta["input_consumers"] == [owner]
+    assert graph.predecessors(owner) == []
+    assert graph.meta["param_bytes"] == {
+        owner: sum(p.numel() * 4 for p in traced.gm.lstm.parameters()),
+        "fc": (6 * 3 + 3) * 4,
+    }
+    # every other vertex descends from the vertex that carries the LSTM's cost
+    reach = {owner}
+    for vid in graph.ids:
+        if any(p in reach for p in graph.predecessors(vid)):
+            reach.add(vid)
+    assert reach == set(graph.ids)

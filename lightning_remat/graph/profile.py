@@ -310,10 +310,9 @@ class _Profiler(fx.Interpreter):
             rec.mem[vid] = _output_bytes(out)
             rec.numel[vid] = sum(t.numel() for t in _tensors(out))
         else:
-            for user in n.users:
-                if _is_getitem(user) and user.name in self.vertex_of:
-                    for t in _tensors(out[user.args[1]]):
-                        own[_storage(t)[0]].append(self.vertex_of[user.name])
+            for owner, element in self._elements(n, out):
+                for t in _tensors(element):
+                    own[_storage(t)[0]].append(owner)
         # Views and in-place results share an earlier vertex's storage: record the vertex
         # that owns it (the alias root), or that it is the storage of an input/parameter.
         for ptr, owners in own.items():
@@ -338,6 +337,18 @@ class _Profiler(fx.Interpreter):
                 rec.saved_refs[vid].append(rec.root(ref))
         self.timer.attach(vid, _tensors(out), rec)
         return out
+
+    def _elements(self, n: fx.Node, value: Any) -> Iterator[tuple[str, Any]]:
+        """(vertex id, element) for the getitem vertices under a tuple producer, nested
+        tuples (an LSTM's ``(out, (h, c))``) included."""
+        for user in n.users:
+            if not _is_getitem(user):
+                continue
+            element = value[user.args[1]]
+            if user.name in self.vertex_of:
+                yield self.vertex_of[user.name], element
+            elif isinstance(element, (tuple, list)):
+                yield from self._elements(user, element)
 
     def _measure_alone(self, n: fx.Node, rec: _Record) -> None:
         """Safe mode: forward and backward of one node from detached copies of its inputs."""
