@@ -11,9 +11,10 @@
 - ``t_fwd``/``t_bwd``: median over ``repeats`` steps after ``warmup`` steps; the forward is
   timed around the op, the backward by pre/post hooks on every autograd node the op created
   (``perf_counter`` on CPU, CUDA events on GPU);
-- ``ws_fwd``/``ws_bwd``: on CUDA the allocator's peak during the op above the larger of the
-  allocated bytes before and after it (the op's temporary workspace). On CPU there is no
-  per-op allocator counter, so they are 0.
+- ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
+  and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
+  the allocator's peak counter, on CPU the resident high-water mark of DESIGN.md section 6
+  (temporaries under 64 KiB are not seen; 0 where /proc is missing).
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
 never holds all activations: the forward runs under ``no_grad`` (values freed after their
@@ -52,7 +53,13 @@ from lightning_remat.graph.trace import (
     preserved_state,
     trace_module,
 )
-from lightning_remat.runtime.memory import peak_bytes
+from lightning_remat.runtime.memory import (
+    high_water_mark,
+    peak_bytes,
+    reset_high_water_mark,
+    resident_bytes,
+    set_mmap_threshold,
+)
 
 __all__ = ["profile_module", "is_out_of_memory"]
 
@@ -119,24 +126,46 @@ class _Clock:
 
 
 class _Workspace:
-    """Allocator peak during an op above max(before, after); CUDA only (0 elsewhere)."""
+    """Peak bytes during an op above max(before, after): the op's temporary workspace.
+
+    CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
+    (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
+    :mod:`lightning_remat.runtime.memory`; it needs glibc's mmap threshold at 64 KiB and sees
+    temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.enabled = self.cuda or _proc_meter_works()
 
     def start(self) -> int:
-        if not self.cuda:
+        if not self.enabled:
             return 0
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        reset_high_water_mark()
+        return resident_bytes()
 
     def stop(self, before: int) -> int:
-        if not self.cuda:
+        if not self.enabled:
             return 0
-        peak = torch.cuda.max_memory_allocated(self.device)
-        after = torch.cuda.memory_allocated(self.device)
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            after = torch.cuda.memory_allocated(self.device)
+        else:
+            peak = high_water_mark()
+            after = resident_bytes()
         return max(0, int(peak - max(before, after)))
+
+
+def _proc_meter_works() -> bool:
+    try:
+        reset_high_water_mark()
+        return high_water_mark() > 0 and resident_bytes() > 0
+    except (OSError, KeyError):
+        return False
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -511,9 +540,13 @@ def profile_module(
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
+    device = _device_of(module, list(inputs) + list(kwargs.values()))
+    if device.type == "cpu":
+        # The CPU meter needs every large buffer in its own mapping from the first
+        # allocation on, or freed heap memory is reused unseen (DESIGN.md section 6).
+        set_mmap_threshold()
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
-    device = _device_of(module, list(inputs) + list(kwargs.values()))
     input_tensors = _tensors(list(inputs) + list(kwargs.values()))
     batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
     grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
@@ -579,6 +612,17 @@ def profile_module(
     return Graph(nodes, list(traced.graph.edges), meta)
 
 
+def _backward(loss: torch.Tensor) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: the module has no trainable parameters on the "
+            "path to its output and no input requires grad, so there is no backward to profile"
+        )
+    loss.backward()
+
+
 def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
                  device: torch.device, grad_holders: list[torch.Tensor], warmup: int,
                  repeats: int) -> dict[str, Any]:
@@ -586,13 +630,12 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
     clock = _Clock(device)
 
     def step() -> None:
-        loss_fn(module(*inputs, **kwargs)).backward()
+        _backward(loss_fn(module(*inputs, **kwargs)))
 
     for _ in range(warmup):
         step()
         _clear_grads(grad_holders)
-    gc.collect()
-    peak = peak_bytes(step, device)
+    peak = peak_bytes(step, device)  # collects garbage first
     _clear_grads(grad_holders)
     seconds = []
     for _ in range(repeats):
@@ -613,7 +656,7 @@ def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: tor
     for k in range(warmup + repeats):
         profiler = _Profiler(traced, device, excluded)
         loss = loss_fn(profiler.run(*args))
-        loss.backward()
+        _backward(loss)
         profiler.record.resolve(profiler.clock)
         profiler.timer.clear()
         del loss
