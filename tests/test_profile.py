@@ -304,3 +304,29 @@ def test_a_step_without_backward_is_refused():
         _fast(frozen, torch.randn(2, 16))
     with pytest.raises(ValueError, match="scalar"):
         _fast(models.mlp(), torch.randn(2, 16), loss_fn=lambda out: out)
+
+
+def double_in_place(h):
+    return h.mul_(2)
+
+
+torch.fx.wrap("double_in_place")
+
+
+class HiddenInplace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = double_in_place(h)  # in-place, but neither its name nor a keyword says so
+        return self.fc(h)
+
+
+def test_safe_mode_handles_inplace_ops_it_did_not_recognise():
+    x = torch.randn(3, 4)
+    normal = _fast(HiddenInplace(), x)
+    safe = _fast(HiddenInplace(), x, safe=True)
+    assert [n.saved for n in safe] == [n.saved for n in normal]
+    assert safe.meta["aliases"] == normal.meta["aliases"] == {"double_in_place": "fc"}

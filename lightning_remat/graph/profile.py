@@ -83,6 +83,8 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; a storage-less tensor counts its own bytes."""
     try:
         st = t.untyped_storage()
+        if st.nbytes() == 0:  # empty tensors share address 0: give each its own key
+            return -id(t), 0
         return st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError):  # pragma: no cover - sparse/nested tensors
         return id(t), t.numel() * t.element_size()
@@ -381,8 +383,18 @@ class _Profiler(fx.Interpreter):
 
     def _measure_alone(self, n: fx.Node, rec: _Record) -> None:
         """Safe mode: forward and backward of one node from detached copies of its inputs."""
-        copies: set[int] = set()
         inplace = _looks_inplace(n, self.module)
+        try:
+            self._measure_copy(n, rec, inplace)
+        except RuntimeError as exc:
+            # An in-place op the name did not reveal: autograd refuses it on a leaf.
+            if inplace or "in-place" not in str(exc):
+                raise
+            self.timer.clear()
+            self._measure_copy(n, rec, inplace=True)
+
+    def _measure_copy(self, n: fx.Node, rec: _Record, inplace: bool) -> None:
+        copies: set[int] = set()
 
         def prepare(a: fx.Node, value: Any) -> Any:
             if a.op in ("placeholder", "get_attr") or a.name not in self.requires_grad:
