@@ -330,3 +330,19 @@ def test_safe_mode_handles_inplace_ops_it_did_not_recognise():
     safe = _fast(HiddenInplace(), x, safe=True)
     assert [n.saved for n in safe] == [n.saved for n in normal]
     assert safe.meta["aliases"] == normal.meta["aliases"] == {"double_in_place": "fc"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profiling_on_cuda_matches_cpu_bytes():
+    torch.manual_seed(0)
+    model, x = models.residual_cnn(), torch.randn(4, 3, 16, 16)
+    on_cpu = _fast(model, x)
+    model, x = model.cuda(), x.cuda()
+    normal = profile_module(model, x, warmup=1, repeats=3)
+    safe = profile_module(model, x, warmup=1, repeats=3, safe=True)
+    assert normal.meta["device"].startswith("cuda")
+    assert [n.mem for n in normal] == [n.mem for n in on_cpu]
+    assert [n.saved for n in normal] == [n.saved for n in safe]
+    assert normal["relu"].saved == normal["relu"].mem
+    assert all(n.t_fwd > 0 for n in normal) and normal["conv2"].t_bwd > 0
+    assert normal.meta["plain_peak_bytes"] > 0

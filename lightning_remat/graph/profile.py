@@ -34,7 +34,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -572,7 +572,9 @@ def profile_module(
         dtype=_dtype_of(module, inputs),
         input_bytes=_output_bytes(input_tensors),
     )
-    with preserved_state(module, [device]), _grads_set_aside(grad_holders):
+    # CUDA events and peak counters work on the current device: make it the module's.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
         fallback_reason = ""
         records: list[_Record] = []
         if not safe:
