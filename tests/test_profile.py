@@ -105,7 +105,8 @@ def test_safe_mode_measures_the_same_bytes(factory, example):
     assert normal.ids == safe.ids and normal.edges == safe.edges
     assert [n.mem for n in normal] == [n.mem for n in safe]
     assert [n.saved for n in normal] == [n.saved for n in safe]
-    for key in ("saved_refs", "saved_input_bytes", "aliases", "batch_dependent", "param_bytes"):
+    for key in ("saved_refs", "saved_input_bytes", "aliases", "batch_dependent", "param_bytes",
+                "requires_grad", "resident_views"):
         assert normal.meta[key] == safe.meta[key], key
     assert "plain_peak_bytes" in normal.meta and "plain_peak_bytes" not in safe.meta
     assert safe.meta["safe"] is True and normal.meta["safe"] is False
@@ -284,6 +285,10 @@ def test_dropout_tied_weights_inplace_and_dict_output():
     assert normal["drop"].saved in (4 * 8 * F32, 4 * 8) and normal.meta["saved_refs"]["drop"] == []
     assert normal["relu_"].saved == 4 * 8 * F32 and normal.meta["saved_refs"]["relu_"] == ["drop"]
     assert normal["argmax"].mem == 4 * 8  # int64 indices
+    assert normal.meta["requires_grad"] == {
+        "fc": True, "add_": True, "drop": True, "relu_": True, "fc_1": True, "argmax": False,
+    }
+    assert safe.meta["requires_grad"] == normal.meta["requires_grad"]
     assert [n.mem for n in safe] == [n.mem for n in normal]
     assert [n.saved for n in safe] == [n.saved for n in normal]
     assert safe.meta["saved_refs"] == normal.meta["saved_refs"]

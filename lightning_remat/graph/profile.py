@@ -184,6 +184,7 @@ class _Record:
     saved_input: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     aliases: dict[str, str] = field(default_factory=dict)
     resident_views: set[str] = field(default_factory=set)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
     t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -339,6 +340,7 @@ class _Profiler(fx.Interpreter):
             for t in _tensors(out):
                 own[_storage(t)[0]].append(vid)
             rec.mem[vid] = _output_bytes(out)
+            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
             rec.numel[vid] = sum(t.numel() for t in _tensors(out))
         else:
             for owner, element in self._elements(n, out):
@@ -542,7 +544,9 @@ def profile_module(
     Returns the :class:`Graph` with measured costs and the meta keys listed in
     :mod:`lightning_remat.graph.ir`, plus ``saved_input_bytes`` ({id: bytes of the step's
     inputs the op saves; they are resident anyway}), ``aliases`` ({id: id of the earlier
-    vertex whose storage this output shares: views and in-place ops}), ``plain_peak_bytes``
+    vertex whose storage this output shares: views and in-place ops}), ``resident_views``
+    ([ids whose output is a view of an input, parameter or buffer: no new memory]),
+    ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
     (peak of one plain step measured with :func:`~lightning_remat.runtime.memory.peak_bytes`,
     from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
     step; in safe mode the sum of the vertex times) and ``safe``.
@@ -619,6 +623,7 @@ def profile_module(
     meta["saved_refs"] = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
     meta["saved_input_bytes"] = {vid: b for vid, b in first.saved_input.items() if b}
     meta["aliases"] = dict(first.aliases)
+    meta["requires_grad"] = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
     meta["resident_views"] = [vid for vid in traced.graph.ids if vid in first.resident_views]
     meta["safe"] = safe
     if safe:
