@@ -342,9 +342,7 @@ def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
     defaults: dict[str, Any] = {}
     for p in sig.parameters.values():
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            raise TraceError(
-                f"{type(module).__name__}.forward takes *args/**kwargs, which torch.fx cannot trace"
-            )
+            raise ValueError(f"{type(module).__name__}.forward takes *args/**kwargs")
         names.append(p.name)
         if p.default is not inspect.Parameter.empty:
             defaults[p.name] = p.default
