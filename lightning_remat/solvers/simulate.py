@@ -29,7 +29,9 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Parameter gradients** (``meta['param_bytes']``): on the first step they are allocated
   by the backward of the op that owns the parameters and stay (they are part of the step's
   peak, unlike the parameters themselves).
-- **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only.
+- **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only; a
+  composite op's internal gradient (``cross_entropy``: the log-probabilities' gradient) is
+  its backward workspace where none was measured (``INTERNAL_GRADIENT_OPS``).
 
 Plans (see ``solvers/plan.py``): stages run in order in the forward and in reverse in the
 backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint``: in the
@@ -73,6 +75,14 @@ GRAD_PASSTHROUGH_OPS = frozenset({
     "contiguous",
 })
 """Op names whose backward passes the incoming gradient on without a new buffer."""
+
+INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
+"""Composite ops whose backward runs as several autograd nodes with an internal gradient
+between them as large as what they save besides their inputs: ``cross_entropy`` is
+``nll_loss(log_softmax(x))``; NLL's backward makes the gradient of the log-probabilities
+(the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
+``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)
+this internal gradient is the op's backward workspace."""
 
 
 @dataclass
@@ -157,7 +167,14 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
     param_bytes = {k: int(b) for k, b in (meta.get("param_bytes") or {}).items()}
     outputs = [o for o in meta.get("outputs", [ids[-1]]) if o in graph]
     output_set = set(outputs)
-    alias_meta = meta.get("aliases") or {}
+    # The profiler names aliases itself (views and in-place results); op names are the
+    # fallback for graphs that lack the key.
+    alias_meta = meta.get("aliases")
+    guess_views = alias_meta is None and has_refs
+    alias_meta = alias_meta or {}
+    # Outputs that are views of the step's inputs or parameters allocate nothing.
+    resident_views = set(meta.get("resident_views") or ())
+    saved_input = meta.get("saved_input_bytes") or {}
 
     node = {v: graph[v] for v in ids}
     succ = {v: graph.successors(v) for v in ids}
@@ -168,7 +185,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
     base: dict[str, str] = {}
     for v in ids:
         target = alias_meta.get(v)
-        if target is None and has_refs and node[v].op in VIEW_OPS and len(pred[v]) == 1:
+        if target is None and guess_views and node[v].op in VIEW_OPS and len(pred[v]) == 1:
             target = pred[v][0]
         if target is not None and target in base:
             base[v] = base[target]
@@ -185,14 +202,29 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
                 seen.setdefault(base[r])
         return list(seen)
 
-    saved_refs = {v: refs_of(v) for v in ids}
+    # Which vertices autograd records: those with parameters and those computed from one
+    # (the step's inputs need no gradient). Others save nothing and get no gradient. A
+    # graph without ``param_bytes`` is taken to need gradients everywhere.
+    if "param_bytes" in meta:
+        requires = {}
+        for v in ids:
+            requires[v] = bool(param_bytes.get(v)) or any(requires[u] for u in pred[v])
+    else:
+        requires = dict.fromkeys(ids, True)
+
+    saved_refs = {v: refs_of(v) if requires[v] else [] for v in ids}
 
     def extra_saved(v: str) -> int:
+        if not requires[v]:
+            return 0
         if not has_refs:
             return node[v].saved
-        return max(node[v].saved - sum(node[r].mem for r in saved_refs[v]), 0)
+        # Saved step inputs are resident before the step: not part of its memory.
+        referenced = sum(node[r].mem for r in saved_refs[v]) + int(saved_input.get(v, 0))
+        return max(node[v].saved - referenced, 0)
 
     extra = {v: extra_saved(v) for v in ids}
+    size = {v: 0 if v in resident_views else node[v].mem for v in ids}
 
     # ---- reference counts of the forward values --------------------------------------------
     # A storage's forward owners: the consumers of every vertex living in it (each edge one
@@ -221,7 +253,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
         for v in stage:
             n = node[v]
             if base[v] == v:
-                mem.alloc(val(v), n.mem, fwd_refs[v])
+                mem.alloc(val(v), size[v], fwd_refs[v])
             transient = n.ws_fwd
             if action == "recompute":
                 # Checkpoint's pack hook drops what the op saves: its extra saved bytes
@@ -282,7 +314,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
             for v in stage:
                 n = node[v]
                 if base[v] == v:
-                    mem.alloc(rkey[v], n.mem, re_refs[v])
+                    mem.alloc(rkey[v], size[v], re_refs[v])
                 if extra[v]:
                     mem.alloc(("extra", v), extra[v], 1)
                     held[v].append(("extra", v))
@@ -292,7 +324,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
                     held[v].append(key)
                 peak = mem.live + n.ws_fwd
                 for u in pred[v]:
-                    if stage_of[u] == k and base[u] != base[v]:
+                    if stage_of[base[u]] == k and base[u] != base[v]:
                         mem.release(rkey[u])
                 mem.settle(rkey[v])
                 events.append(Event("recompute", v, mem.live, peak, k))
@@ -309,7 +341,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
                         mem.hold(key)
                     else:
                         restored[key] = 1
-                        mem.alloc(key, node[r].mem, 1)
+                        mem.alloc(key, size[r], 1)
                     held[v].append(key)
             if restored or offloaded[k]:
                 events.append(Event("restore", stage[-1], mem.live, mem.live, k))
@@ -318,10 +350,14 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
             n = node[v]
             my_grad = grad_of.pop(v, None)
             transient = n.ws_bwd
+            if n.op in INTERNAL_GRADIENT_OPS:
+                transient = max(transient, extra[v])
             peak_extra = 0
             if my_grad is not None:
                 passthrough = n.op in GRAD_PASSTHROUGH_OPS
                 for u in pred[v]:
+                    if not requires[u]:
+                        continue
                     if passthrough:
                         incoming: object = my_grad
                         mem.hold(incoming)
