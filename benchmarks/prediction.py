@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -61,8 +62,9 @@ def worker(name: str, device: str) -> dict:
     if device == "cpu":
         set_mmap_threshold()
     import torch
-    from lightning_remat.graph.profile import profile_module
 
+    from lightning_remat.graph.profile import profile_module
+    from lightning_remat.graph.trace import trace_module
     from lightning_remat.solvers.plan import make_plan
     from lightning_remat.solvers.simulate import simulate
 
@@ -81,12 +83,12 @@ def worker(name: str, device: str) -> dict:
     clear()  # warm-up (lazy initialisation), then measure from a state without gradients
     measured = peak_bytes(step, device)
     clear()
-    graph = profile_module(model, inputs, loss_fn=lambda out: out, warmup=1, repeats=1)
+    traced = trace_module(model, inputs)
+    graph = profile_module(model, inputs, loss_fn=lambda out: out, warmup=1, repeats=1,
+                           traced=traced)
     result = {"model": name, "batch": batch, "vertices": len(graph),
               "measured": measured, "predicted": simulate(graph).peak_bytes}
     # One recompute plan: about sqrt(n) stages of equal size, all but the last recomputed.
-    import math
-
     ids = graph.ids
     size = max(1, round(math.sqrt(len(ids))))
     chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
@@ -94,15 +96,16 @@ def worker(name: str, device: str) -> dict:
                      "sqrt-n")
     result["recompute_stages"] = len(chunks) - 1
     result["recompute_predicted"] = plan.predicted_peak_bytes
+    result["recompute_measured"] = None
     try:
-        from lightning_remat.runtime.apply import apply_plan  # written on another branch
+        from lightning_remat.runtime.apply import apply_plan  # the runtime, another branch
     except ImportError:
-        result["recompute_measured"] = None
-    else:
-        remat = apply_plan(model, graph, plan)
-        clear()
-        measured_remat = peak_bytes(lambda: remat(*inputs).backward(), device)
-        result["recompute_measured"] = measured_remat
+        return result
+    remat = apply_plan(traced.gm, plan, root=model, charge=traced.charge)
+    step_remat = lambda: remat(*inputs).backward()  # noqa: E731
+    step_remat()
+    clear()
+    result["recompute_measured"] = peak_bytes(step_remat, device)
     return result
 
 

@@ -236,6 +236,9 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
         fwd_refs[b] += sum(1 for w in succ[v] if base[w] != b)
         if v in output_set:
             fwd_refs[b] += 1
+        if b != v:
+            # An alias holds its storage until its own op has run (and saved it if it does).
+            fwd_refs[b] += 1
 
     mem = _Storages()
     events = timeline.events
@@ -278,6 +281,8 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
             for u in pred[v]:
                 if base[u] != base[v]:
                     mem.release(val(u))
+            if base[v] != v:
+                mem.release(own)
             mem.settle(own)
             events.append(Event("forward", v, mem.live, peak, k))
         if action == "offload":
@@ -309,7 +314,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
                        for v in stage}
             for v in stage:
                 if base[v] != v and stage_of[base[v]] == k:
-                    re_refs[base[v]] += re_refs[v]
+                    re_refs[base[v]] += re_refs[v] + 1
             rkey = {v: (("rval", base[v]) if stage_of[base[v]] == k else val(v)) for v in stage}
             for v in stage:
                 n = node[v]
@@ -326,6 +331,8 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
                 for u in pred[v]:
                     if stage_of[base[u]] == k and base[u] != base[v]:
                         mem.release(rkey[u])
+                if base[v] != v and stage_of[base[v]] == k:
+                    mem.release(rkey[v])
                 mem.settle(rkey[v])
                 events.append(Event("recompute", v, mem.live, peak, k))
         elif action == "offload":
