@@ -121,8 +121,10 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.device)))
         return
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    # This checkout is importable in the workers (after any PYTHONPATH the caller set); the
+    # mmap threshold is fixed from the workers' start (DESIGN.md section 6).
+    path = [p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), MALLOC_MMAP_THRESHOLD_="65536")
     env.setdefault("OMP_NUM_THREADS", "2")
     info = subprocess.run([args.python, "-c", "import torch; print(torch.__version__); "
                            "print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"],

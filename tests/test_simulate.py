@@ -154,3 +154,57 @@ def test_every_byte_is_accounted_for(seed):
         assert all(e.live_bytes >= 0 and e.peak_bytes >= e.live_bytes for e in t.events)
         assert sum(e.phase == "backward" for e in t.events) == len(g)
 
+
+
+_REAL_MLP = r"""
+import json
+from lightning_remat.runtime.memory import peak_bytes, set_mmap_threshold
+set_mmap_threshold()
+import torch
+from torch import nn
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.solvers.simulate import simulate
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+# Activations of 4-8 MiB each, so allocator noise (KiBs) is small beside them.
+model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                      nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
+x = torch.randn(1024, 512)
+target = torch.randint(0, 10, (1024,))
+loss_fn = lambda out: nn.functional.cross_entropy(out, target)
+step = lambda: loss_fn(model(x)).backward()
+step()
+for p in model.parameters():
+    p.grad = None
+measured = peak_bytes(step)
+for p in model.parameters():
+    p.grad = None
+graph = profile_module(model, x, loss_fn=loss_fn, warmup=1, repeats=1)
+print(json.dumps({"measured": measured, "predicted": simulate(graph).peak_bytes}))
+"""
+
+
+def run_isolated(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter with the mmap threshold fixed from its start (the
+    CPU meter's premise, DESIGN.md section 6); its last stdout line is JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_prediction_of_a_real_step_is_within_ten_percent():
+    got = run_isolated(_REAL_MLP)
+    measured, predicted = got["measured"], got["predicted"]
+    assert measured > 40 * 2**20  # the step really holds tens of MiB
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
