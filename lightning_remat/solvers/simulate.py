@@ -299,8 +299,9 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
         mem.release(val(o))
     grad_of: dict[str, object] = {}
     for o in outputs:
-        grad_of[o] = ("grad", o)
-        mem.alloc(("grad", o), node[o].mem, 1)
+        if requires[o]:
+            grad_of[o] = ("grad", o)
+            mem.alloc(("grad", o), node[o].mem, 1)
 
     # ---- backward ---------------------------------------------------------------------------
     fresh = 0  # serial number of gradient storages
