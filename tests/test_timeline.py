@@ -3,7 +3,11 @@ maximum that agrees with the peak meter."""
 
 from __future__ import annotations
 
+import torch
 from test_simulate import run_isolated
+from torch import nn
+
+from lightning_remat.runtime.memory import record_timeline
 
 _RECORD = r"""
 import json
@@ -55,3 +59,29 @@ def test_one_point_per_op_and_the_peak_agrees_with_the_meter():
     param_bytes = 4 * (512 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 256 + 256)
     assert abs(points[-1][2] - param_bytes) <= 0.1 * param_bytes
     assert got["grad_restored"]
+
+
+
+class Branchy(nn.Module):
+    """A forward fx cannot trace (control flow on a tensor's value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.last = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.first(x))
+        if h.sum() > -1:  # data-dependent: fx gives up
+            h = h * 2
+        return self.last(h)
+
+
+def test_untraceable_module_falls_back_to_leaf_module_points():
+    points = record_timeline(Branchy(), torch.randn(4, 8))
+    assert [p.op for p in points if p.phase == "forward"] == ["first", "act", "last", "loss"]
+    backward = [p.op for p in points if p.phase == "backward"]
+    # Each leaf module's backward is read once, the last layer's before the first's.
+    assert sorted(backward) == sorted(["loss", "last", "act", "first"])
+    assert backward.index("last") < backward.index("act") < backward.index("first")
