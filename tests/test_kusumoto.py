@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers import get_solver, min_budget
 from lightning_remat.solvers.kusumoto import (
+    _family,
     min_budget_solve_approx_tc,
     min_budget_solve_exact_mc,
     min_budget_solve_exact_tc,
@@ -185,6 +186,9 @@ def test_on_chains_approximate_equals_exact(graph, fraction):
 def test_min_budget_is_the_least_peak_of_any_strategy(graph):
     least = min(peak for peak, _ in oracle(graph))
     assert min_budget_solve_exact_tc(graph) == least == min_budget_solve_exact_mc(graph)
+    # The one-pass g({}) equals the paper's binary search on M.
+    for family in (_family(graph, True, 10_000), _family(graph, False, 10_000)):
+        assert family.min_budget() == family.min_budget_by_bisection()
     assert solve_exact_tc(graph, least).feasible
     if least > 0:
         assert not solve_exact_tc(graph, least - 1).feasible

@@ -43,6 +43,8 @@ Implementation choices (why):
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +170,7 @@ class LowerSetFamily:
     boundary_idx: list[np.ndarray] = field(init=False)
     _cache: dict[int, tuple[np.ndarray, ...]] = field(init=False, default_factory=dict)
     _cached_entries: int = field(init=False, default=0)
+    _finish_need: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -244,9 +247,44 @@ class LowerSetFamily:
                 best[j] = int((cache[ok] + cache_add[ok]).min())
         return bool(best[-1] != _INF)
 
+    def evaluate(self, sequence: list[int]) -> tuple[int, float]:
+        """Peak [eq. 2] and extra time [eq. 1] of a sequence of family indices."""
+        cache, peak, extra = 0, 0, 0.0
+        for before, after in zip(sequence, sequence[1:]):
+            sources, stage_mem, cache_add, extra_time = self.transitions(after)
+            k = int(np.searchsorted(sources, before))
+            peak = max(peak, cache + int(stage_mem[k]))
+            cache += int(cache_add[k])
+            extra += float(extra_time[k])
+        return peak, extra
+
+    def finish_need(self) -> np.ndarray:
+        """For each lower set L, the least budget above the cache already held with which
+        the strategy can still be finished from L: ``g(V) = 0`` and ``g(L) = min over L' >
+        L of max(stage_memory(L, L'), cache_added(L, L') + g(L'))``. A state (L, m) can
+        reach V exactly when ``m + g(L) <= M``, and ``g({})`` is the smallest budget with
+        any strategy. Computed once, backwards over the family."""
+        if self._finish_need is None:
+            need = np.full(self.size, _INF, dtype=np.int64)
+            need[-1] = 0
+            for j in range(self.size - 1, 0, -1):
+                if need[j] == _INF:
+                    continue
+                sources, stage_mem, cache_add, _ = self.transitions(j)
+                through_j = np.maximum(stage_mem, cache_add + need[j])
+                need[sources] = np.minimum(need[sources], through_j)
+            self._finish_need = need
+        return self._finish_need
+
     def min_budget(self) -> int:
-        """The smallest budget with any strategy, by binary search on M (section 5.1). The
-        one-stage strategy needs ``2 mem(V)``, so that is always enough."""
+        """The smallest budget with any strategy: ``g({})`` of :meth:`finish_need`, the
+        same value Kusumoto's binary search on M finds (section 5.1;
+        :meth:`min_budget_by_bisection` does that search, the tests compare them)."""
+        return int(self.finish_need()[0])
+
+    def min_budget_by_bisection(self) -> int:
+        """Binary search on M over :meth:`feasible` (the paper's method). The one-stage
+        strategy needs ``2 mem(V)``, so that is always enough."""
         hi = int(self.mem_set[-1]) * 2
         if self.feasible(0):
             return 0
@@ -259,11 +297,23 @@ class LowerSetFamily:
                 lo = mid
         return hi
 
-    def solve(self, budget: int | None, objective: str, time_steps: int) -> list[int] | None:
+    def time_unit(self, time_steps: int) -> float:
+        """Width of the time buckets: 1 (exact) for whole-number times, else the total
+        forward time / ``time_steps``."""
+        if self.bits.integer_times:
+            return 1.0
+        return max(float(self.bits.t_fwd.sum()), 1e-300) / time_steps
+
+    def solve(self, budget: int | None, objective: str, unit: float,
+              bound: float | None = None) -> tuple[list[int], float] | None:
         """Algorithm 1: the best sequence of family indices (0 first, the last index last)
-        for the objective ``"tc"`` (least T) or ``"mc"`` (largest T), or None."""
-        unit = 1.0 if self.bits.integer_times else max(float(self.bits.t_fwd.sum()), 1e-300) / time_steps
+        for the objective ``"tc"`` (least T) or ``"mc"`` (largest T) with its T, or None.
+        States are bucketed by ``floor(t / unit)``. Pruned as well (keeping the optimum):
+        states that cannot finish within the budget (``m + g(L) > M``), and for TC states
+        slower than ``bound``, the T of a strategy already known to fit."""
         limit = _INF if budget is None else int(budget)
+        need = self.finish_need()
+        slack = math.inf if bound is None else bound + 1e-9 * max(abs(bound), 1.0)
         cap = 1024
         st_t = np.zeros(cap)
         st_m = np.zeros(cap, dtype=np.int64)
@@ -290,6 +340,12 @@ class LowerSetFamily:
             chosen, slot, cache = chosen[ok], slot[ok], cache[ok]
             new_m = cache + cache_add[slot]
             new_t = st_t[chosen] + extra_time[slot]
+            alive = new_m <= limit - need[j]
+            if objective == "tc" and bound is not None:
+                alive &= new_t <= slack
+            chosen, new_m, new_t = chosen[alive], new_m[alive], new_t[alive]
+            if chosen.size == 0:
+                continue
             keep = _undominated(new_t, new_m, unit, objective)
             k = keep.size
             if count + k > cap:
@@ -307,7 +363,7 @@ class LowerSetFamily:
         for j in np.flatnonzero(stop > first):
             owner[first[j]:stop[j]] = j
         if self.size == 1:
-            return [0]
+            return [0], 0.0
         final = np.arange(first[-1], stop[-1])
         if final.size == 0:
             return None
@@ -319,24 +375,28 @@ class LowerSetFamily:
         while state >= 0:
             sequence.append(int(owner[state]))
             state = int(st_parent[state])
-        return sequence[::-1]
+        return sequence[::-1], float(st_t[best])
 
 
 def _undominated(t: np.ndarray, m: np.ndarray, unit: float, objective: str) -> np.ndarray:
     """Indices of the states to keep at one lower set: the least m per time bucket, then only
     those no other state dominates (TC: no faster state with no more cache; MC: no slower
-    state with no more cache)."""
-    bucket = np.floor(t / unit + 1e-9)
-    if objective == "tc":
-        order = np.lexsort((t, m, bucket))
-    else:
-        order = np.lexsort((-t, m, -bucket))
-    sorted_bucket = bucket[order]
-    first = np.r_[True, sorted_bucket[1:] != sorted_bucket[:-1]]
-    order = order[first]
-    sorted_m = m[order]
-    best_before = np.r_[_INF, np.minimum.accumulate(sorted_m)[:-1]]
-    return order[sorted_m < best_before]
+    state with no more cache). Linear time: a scatter-min per bucket instead of a sort."""
+    bucket = np.floor(t / unit + 1e-9).astype(np.int64)
+    low = int(bucket.min())
+    bucket -= low
+    buckets = int(bucket.max()) + 1
+    least = np.full(buckets, _INF, dtype=np.int64)
+    np.minimum.at(least, bucket, m)
+    winners = np.flatnonzero(m == least[bucket])
+    representative = np.full(buckets, -1, dtype=np.int64)
+    representative[bucket[winners]] = winners  # one state per bucket among those with least m
+    occupied = np.flatnonzero(representative >= 0)
+    if objective != "tc":
+        occupied = occupied[::-1]  # MC: the slowest bucket first
+    best = least[occupied]
+    best_before = np.r_[_INF, np.minimum.accumulate(best)[:-1]]
+    return representative[occupied[best < best_before]]
 
 
 # ---- evaluating a sequence (the DP's own peak and time) --------------------------------------
@@ -377,12 +437,31 @@ def _check_budget(budget_bytes: Any) -> int | None:
     return int(budget_bytes)
 
 
+_FAMILY_CACHE: OrderedDict[tuple, LowerSetFamily] = OrderedDict()
+_FAMILY_CACHE_SIZE = 8
+
+
 def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
-    if max_lower_sets < 1:
-        raise ValueError(f"max_lower_sets={max_lower_sets} must be at least 1")
+    """The family of lower sets for a graph, reused across calls on the same graph and
+    costs (auto, min-budget searches and benchmarks call the DP several times)."""
+    if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
+        raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
+    key = (
+        exact,
+        tuple((node.id, node.mem, node.t_fwd) for node in graph.nodes),
+        tuple(graph.edges),
+    )
+    family = _FAMILY_CACHE.get(key)
+    if family is not None and (not exact or family.size <= max_lower_sets):
+        _FAMILY_CACHE.move_to_end(key)
+        return family
     bits = _graph_bits(graph)
     sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
-    return LowerSetFamily(bits, sets)
+    family = LowerSetFamily(bits, sets)
+    _FAMILY_CACHE[key] = family
+    while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
+        _FAMILY_CACHE.popitem(last=False)
+    return family
 
 
 def _plan_from_sequence(
@@ -391,20 +470,16 @@ def _plan_from_sequence(
 ) -> Plan:
     ids = family.bits.ids
     stages: list[Stage] = []
-    previous = 0
     last = len(sequence) - 1
-    for position, index in enumerate(sequence[1:], start=1):
-        lower = family.sets[index]
-        new = lower & ~previous
-        nodes = [ids[i] for i in range(family.bits.n) if new >> i & 1]
-        boundary = set(family.boundary_idx[index].tolist())
-        recomputed = any(i not in boundary for i in range(family.bits.n) if new >> i & 1)
+    for position, (before, after) in enumerate(zip(sequence, sequence[1:]), start=1):
+        new = np.flatnonzero(family.member[after] & ~family.member[before])
+        nodes = [ids[i] for i in new]
         # Every stage but the last recomputes Vi \ B(Li); one with nothing to recompute (all
         # its vertices are cached boundary) is simply kept.
+        recomputed = bool(np.setdiff1d(new, family.boundary_idx[after]).size)
         action = "recompute" if position < last and recomputed else "keep"
         stages.append(Stage(nodes, action))
-        previous = lower
-    dp_peak, extra = evaluate_sequence(graph, [s.nodes for s in stages])
+    dp_peak, extra = family.evaluate(sequence)
     plan = make_plan(graph, stages, solver, budget, extra_seconds=extra, notes=notes)
     plan.notes.append(
         f"DP peak (eq. 2) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
@@ -439,17 +514,40 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         notes.append(
             f"no budget: memory-centric strategy at the smallest budget with a solution, {target} bytes"
         )
-    sequence = family.solve(target, objective, time_steps)
-    if sequence is not None:
-        return _plan_from_sequence(graph, family, sequence, name, budget, notes, True)
+    found = _run(family, target, objective, time_steps)
+    if found is not None:
+        return _plan_from_sequence(graph, family, found, name, budget, notes, True)
     smallest = family.min_budget()
     notes.append(
         f"no strategy has peak <= {budget} bytes; the smallest budget with one is {smallest} "
         "bytes: this is the strategy for that budget"
     )
-    sequence = family.solve(smallest, objective, time_steps)
-    assert sequence is not None  # the binary search found it feasible
-    return _plan_from_sequence(graph, family, sequence, name, budget, notes, False)
+    found = _run(family, smallest, objective, time_steps)
+    assert found is not None  # g({}) is met by construction
+    return _plan_from_sequence(graph, family, found, name, budget, notes, False)
+
+
+_COARSE_STEPS = 32
+
+
+def _run(family: LowerSetFamily, budget: int | None, objective: str,
+         time_steps: int) -> list[int] | None:
+    """The DP, for TC preceded by a coarse pass (``_COARSE_STEPS`` time buckets) whose
+    strategy's exact T bounds the fine pass: states slower than it cannot lead to the
+    optimum, and at generous budgets most of the fine table is such states."""
+    if budget is not None and family.min_budget() > budget:
+        return None
+    unit = family.time_unit(time_steps)
+    bound = None
+    if objective == "tc":
+        coarse_unit = max(unit, float(family.bits.t_fwd.sum()) / _COARSE_STEPS)
+        if coarse_unit > unit:
+            coarse = family.solve(budget, objective, coarse_unit)
+            if coarse is None:
+                return None
+            bound = coarse[1]
+    result = family.solve(budget, objective, unit, bound)
+    return None if result is None else result[0]
 
 
 def solve_approx_tc(graph: Graph, budget_bytes: int | None, *,
