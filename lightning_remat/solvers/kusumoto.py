@@ -32,10 +32,16 @@ Implementation choices (why):
   and no slower); for MC when ``t1 >= t2`` and ``m1 <= m2``. This keeps the paper's optimum.
 - Time discretisation: when every ``t_fwd`` is a whole number (tests, Kusumoto's own costs of
   1 and 10) times are exact and the DP is exact. Otherwise states are bucketed by
-  ``floor(t / unit)`` with ``unit = total forward time / time_steps`` and only the least ``m``
-  per ``(L, bucket)`` is kept (the paper's discretised table); the result's T may then exceed
-  the optimum by up to one ``unit`` per stage. The T reported is always computed exactly
-  from the chosen sequence.
+  ``floor(t / unit)`` and only the least ``m`` per ``(L, bucket)`` is kept (the paper's
+  discretised table); the result's T may then exceed the optimum by up to one ``unit`` per
+  stage. MC uses ``unit = total forward time / time_steps``. TC first runs a coarse pass
+  (32 buckets over the whole forward time); its strategy's exact T bounds the fine pass
+  (slower states are dropped, which keeps the optimum) and sets its ``unit = T / time_steps``,
+  so the resolution follows the extra time that is actually at stake. The T reported is
+  always computed exactly from the chosen sequence.
+- Further pruning that keeps the optimum: ``g(L)``, the least budget above the held cache
+  with which the strategy can still be finished from L (one backward pass), drops states
+  with ``m + g(L) > M``; ``g({})`` is also the smallest budget with any strategy.
 - The plan's ``feasible`` is the DP's own verdict (its peak formula, eq. 2, against the
   budget), not the simulator's, because that is the model the DP optimises; the DP's peak and
   the simulator's peak both go into ``plan.notes``.
@@ -61,7 +67,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_LOWER_SETS = 100_000
-DEFAULT_TIME_STEPS = 1_000
+DEFAULT_TIME_STEPS = 500
 _INF = np.iinfo(np.int64).max
 # Cache per-target transition arrays while their total size stays under this many entries.
 _TRANSITION_CACHE_ENTRIES = 5_000_000
@@ -318,6 +324,8 @@ class LowerSetFamily:
         st_t = np.zeros(cap)
         st_m = np.zeros(cap, dtype=np.int64)
         st_parent = np.full(cap, -1, dtype=np.int64)
+        key_m = np.zeros(cap, dtype=np.complex128)  # (owner, -m), sorted: see below
+        key_t = np.zeros(cap, dtype=np.complex128)  # (owner, t)
         # States are appended target by target, so each lower set's states are one range.
         first = np.zeros(self.size, dtype=np.int64)
         stop = np.zeros(self.size, dtype=np.int64)
@@ -327,23 +335,37 @@ class LowerSetFamily:
         for j in range(1, self.size):
             sources, stage_mem, cache_add, extra_time = self.transitions(j)
             # Sources none of whose states can afford the stage are skipped before gathering.
-            usable = np.flatnonzero(least_m[sources] <= limit - stage_mem)
+            # A state (L, t, m) may take this step when m + stage <= M and the new cache can
+            # still finish (m + added + g(L') <= M): one cap on m per source.
+            m_cap = np.minimum(limit - stage_mem, limit - need[j] - cache_add)
+            usable = np.flatnonzero(least_m[sources] <= m_cap)
             if usable.size == 0:
                 continue
-            lengths = stop[sources[usable]] - first[sources[usable]]
+            src = sources[usable]
+            # Each source's states are one range with m strictly decreasing (and for TC t
+            # increasing), so the states that pass the caps are one interval per source,
+            # found by binary search on (owner, -m) and (owner, t) keys.
+            lo = np.searchsorted(key_m[:count], src - 1j * m_cap[usable].astype(np.float64))
+            hi = stop[src]
+            if objective == "tc" and bound is not None:
+                t_cap = slack - extra_time[usable]
+                hi = np.minimum(hi, np.searchsorted(key_t[:count], src + 1j * t_cap, side="right"))
+            lengths = np.maximum(hi - lo, 0)
             total = int(lengths.sum())
+            if total == 0:
+                continue
             ends = np.cumsum(lengths)
-            chosen = np.repeat(first[sources[usable]] - ends + lengths, lengths) + np.arange(total)
+            chosen = np.repeat(lo - ends + lengths, lengths) + np.arange(total)
             slot = np.repeat(usable, lengths)
             cache = st_m[chosen]
-            ok = cache <= limit - stage_mem[slot]
+            # The same tests in exact integers (the keys are floats).
+            ok = cache <= m_cap[slot]
             chosen, slot, cache = chosen[ok], slot[ok], cache[ok]
             new_m = cache + cache_add[slot]
             new_t = st_t[chosen] + extra_time[slot]
-            alive = new_m <= limit - need[j]
             if objective == "tc" and bound is not None:
-                alive &= new_t <= slack
-            chosen, new_m, new_t = chosen[alive], new_m[alive], new_t[alive]
+                alive = new_t <= slack
+                chosen, new_m, new_t = chosen[alive], new_m[alive], new_t[alive]
             if chosen.size == 0:
                 continue
             keep = _undominated(new_t, new_m, unit, objective)
@@ -353,7 +375,11 @@ class LowerSetFamily:
                 st_t = np.resize(st_t, cap)
                 st_m = np.resize(st_m, cap)
                 st_parent = np.resize(st_parent, cap)
+                key_m = np.resize(key_m, cap)
+                key_t = np.resize(key_t, cap)
             st_t[count:count + k] = new_t[keep]
+            key_m[count:count + k] = j - 1j * new_m[keep].astype(np.float64)
+            key_t[count:count + k] = j + 1j * new_t[keep]
             st_m[count:count + k] = new_m[keep]
             st_parent[count:count + k] = chosen[keep]
             first[j], stop[j] = count, count + k
@@ -540,12 +566,19 @@ def _run(family: LowerSetFamily, budget: int | None, objective: str,
     unit = family.time_unit(time_steps)
     bound = None
     if objective == "tc":
-        coarse_unit = max(unit, float(family.bits.t_fwd.sum()) / _COARSE_STEPS)
+        total = float(family.bits.t_fwd.sum())
+        coarse_unit = max(unit, total / _COARSE_STEPS)
         if coarse_unit > unit:
             coarse = family.solve(budget, objective, coarse_unit)
             if coarse is None:
                 return None
             bound = coarse[1]
+            if bound <= 0.0:
+                return coarse[0]  # nothing recomputed: nothing is faster
+            if not family.bits.integer_times:
+                # Buckets relative to the time that matters (at most the bound), not to
+                # the whole forward: at generous budgets T is a small part of it.
+                unit = max(bound / time_steps, total * 1e-12)
     result = family.solve(budget, objective, unit, bound)
     return None if result is None else result[0]
 
