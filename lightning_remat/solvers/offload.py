@@ -398,6 +398,7 @@ def simulate_schedule(
     pending = sorted((i for i in range(n) if amounts[i] > 0), reverse=True)
     prefetch_start: dict[int, float] = {}
     prefetch_end: dict[int, float] = {}
+    prefetch_phase: dict[int, int] = {}  # the first phase that runs with x_j reserved
 
     def static_need(phase: int, resident: Iterable[int]) -> float:
         i = phase if phase < n else 2 * n - 1 - phase
@@ -416,6 +417,7 @@ def simulate_schedule(
             if max(needs[k - first:]) <= M + tol:
                 start = max(ready, phase_end[k - 1]) if k > first else ready
                 prefetch_start[j] = start
+                prefetch_phase[j] = k
                 prefetch_end[j] = start + amounts[j] / beta
                 transfers.append(("prefetch", j, start, prefetch_end[j]))
                 link_free = prefetch_end[j]
@@ -441,23 +443,20 @@ def simulate_schedule(
         phase_end.append(t)
     makespan = t
 
-    # ---- peak: device bytes at every op start and every prefetch start --------------------
-    def share(m: int, at: float) -> float:
-        """Bytes of offloaded x_m on the device at time ``at``."""
-        if m in prefetch_start and at >= prefetch_start[m]:
+    # ---- peak: device bytes at every op start, counting each prefetch from its phase on ----
+    def share(m: int, phase: int, at: float) -> float:
+        """Bytes of offloaded x_m on the device during ``phase`` (started at ``at``)."""
+        if m in prefetch_phase and phase >= prefetch_phase[m]:
             return amounts[m]
         return amounts[m] - released(m + 1, at) + released(m, at)
 
     def device_bytes(phase: int, at: float) -> float:
         i = phase if phase < n else 2 * n - 1 - phase
-        data = kept_prefix[i + 2] + sum(share(m, at) for m in range(i + 2) if amounts[m] > 0)
+        data = kept_prefix[i + 2] + sum(share(m, phase, at) for m in range(i + 2) if amounts[m] > 0)
         return data + (chain.ex_F[i] if phase < n else chain.ex_B[i] + y[i] + y[i + 1])
 
     starts = [op_start[f"F{i}"] for i in range(n)] + [op_start[f"B{i}"] for i in range(n - 1, -1, -1)]
     peak = max(device_bytes(k, s) for k, s in enumerate(starts))
-    for s in prefetch_start.values():
-        k = next((k for k, end in enumerate(phase_end) if end > s), 2 * n - 1)
-        peak = max(peak, device_bytes(k, max(s, starts[k])))
     return Schedule(amounts, True, makespan, makespan - chain.compute_time, peak, "",
                     op_start, transfers)
 
