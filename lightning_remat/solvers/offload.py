@@ -560,6 +560,24 @@ def _discretize(chain: Chain, S: int, x_slots: list[int] | None = None) -> _Disc
     )
 
 
+def _prune_dominated(table: dict) -> dict:
+    """Drop states another state dominates: same ``(M_F, Delta_F)``, no larger ``Delta_B``
+    and no larger idle time. Every quantity downstream ((6)-(10)) is non-decreasing in
+    ``Delta_B``, so a dominated state never leads to a better schedule."""
+    fronts: dict[tuple[int, int], list[tuple[int, float, tuple[int, int, int]]]] = {}
+    for key, value in table.items():
+        fronts.setdefault(key[:2], []).append((key[2], value[0], key))
+    kept = {}
+    for front in fronts.values():
+        front.sort()
+        best = math.inf
+        for _, idle, key in front:
+            if idle < best:
+                kept[key] = table[key]
+                best = idle
+    return kept
+
+
 def _dynprog_core(chain: Chain, d: _Discrete, top: int = 1) -> list[tuple[list[int], float]] | None:
     """Algorithm 1 on the discretised chain: the ``top`` offload sets with the smallest total
     idle time over final states ``(M_F, Delta_F, Delta_B)``, best first, each with its idle
@@ -567,9 +585,10 @@ def _dynprog_core(chain: Chain, d: _Discrete, top: int = 1) -> list[tuple[list[i
     checks."""
     n, S = len(d.uF), d.S
     offloadable = set(chain.offloadable())
-    # Negative Delta values (time the link has been idle, in slots) matter only up to the
-    # largest amount they are ever compared with (eqs. (9), (10)); clamp to keep the table small.
-    floor = -(sum(d.x) + 2 * S + 1)
+    # Negative Delta values (time the link has been idle, in slots) are forgotten by (2)/(7)
+    # and only compared, in (9)/(10), with amounts that fit in the memory (at most S) or with
+    # terms that are <= S - U_j: clamping them at -S keeps every comparison's outcome.
+    floor = -(S + 1)
     # table: state -> (idle, back-pointer)
     layers: list[dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None, bool]]] = []
     layers.append({(d.x[0], 0, 0): (0.0, None, False)})
@@ -606,7 +625,7 @@ def _dynprog_core(chain: Chain, d: _Discrete, top: int = 1) -> list[tuple[list[i
                     nxt[key] = (cost, state, off)
         if not nxt:
             return None
-        layers.append(nxt)
+        layers.append(_prune_dominated(nxt))
 
     # eps_G between the phases: equations (9) and (10).
     U_B = [0] * (n + 1)  # U_B[j] = sum_{i>j} uB_i
