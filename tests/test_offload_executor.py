@@ -147,3 +147,13 @@ def test_bad_arguments_are_rejected():
         OffloadHooks(min_bytes=-1)
     with pytest.raises(ValueError, match="prefetch"):
         OffloadHooks(prefetch=-2)
+
+
+def test_bandwidth_is_measured_once_per_device():
+    from lightning_remat.runtime.offload import measure_bandwidth
+
+    first = measure_bandwidth("cpu", nbytes=2**20, repeats=2)
+    assert first > 0
+    assert measure_bandwidth("cpu", nbytes=2**20) == first  # cached
+    with pytest.raises(ValueError, match="must be positive"):
+        measure_bandwidth("cpu", nbytes=0, refresh=True)

@@ -29,7 +29,62 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OffloadHooks", "OffloadStats", "OffloadedModule"]
+__all__ = ["OffloadHooks", "OffloadStats", "OffloadedModule", "measure_bandwidth"]
+
+_BANDWIDTH_CACHE: dict[tuple[str, int], float] = {}
+
+
+def measure_bandwidth(device: str | torch.device | None = None, nbytes: int = 64 * 2**20,
+                      repeats: int = 3, refresh: bool = False) -> float:
+    """Host-device bandwidth in bytes per second (``beta`` of the offloading model; the graph
+    JSON keeps it as ``meta['bandwidth_bytes_per_s']``), measured once per device and cached.
+
+    CUDA: the slower direction of pinned-host <-> device copies of ``nbytes``, timed with CUDA
+    events (best of ``repeats``). CPU: a host-to-host copy of ``nbytes`` (the CPU path of
+    :class:`OffloadHooks`; a stand-in, not a figure to plan a GPU with).
+    """
+    import time
+
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (str(dev), int(nbytes))
+    if key in _BANDWIDTH_CACHE and not refresh:
+        return _BANDWIDTH_CACHE[key]
+    if nbytes <= 0 or repeats <= 0:
+        raise ValueError(f"nbytes={nbytes} and repeats={repeats} must be positive")
+    count = nbytes // 4
+    if dev.type == "cuda":
+        host = torch.empty(count, dtype=torch.float32, pin_memory=True)
+        gpu = torch.empty(count, dtype=torch.float32, device=dev)
+        best = {"to_host": 0.0, "to_device": 0.0}
+        for _ in range(repeats + 1):  # the first round warms up
+            for direction in best:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                if direction == "to_host":
+                    host.copy_(gpu, non_blocking=True)
+                else:
+                    gpu.copy_(host, non_blocking=True)
+                stop.record()
+                stop.synchronize()
+                rate = count * 4 / (start.elapsed_time(stop) / 1e3)
+                best[direction] = max(best[direction], rate)
+        value = min(best.values())
+    elif dev.type == "cpu":
+        src = torch.ones(count, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        rates = []
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            dst.copy_(src)
+            rates.append(count * 4 / max(time.perf_counter() - start_s, 1e-9))
+        value = max(rates)
+    else:
+        raise ValueError(f"cannot measure a bandwidth on device {dev}: use cpu or cuda")
+    _BANDWIDTH_CACHE[key] = float(value)
+    return float(value)
 
 
 @dataclass
