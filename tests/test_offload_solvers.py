@@ -267,3 +267,33 @@ def test_dynprog_within_1_2_of_the_lower_bound_on_cnn_profiles(name: str, slots:
         ratios.append(sched.makespan / lower_bound(limited))
     assert max(ratios) <= 1.2, ratios
     assert min(ratios) >= 1.0 - 1e-9
+
+
+@PROPERTY
+@given(chains(max_ops=6), st.integers(20, 600))
+def test_discretisation_follows_section_5_3_2(chain: Chain, slots: int):
+    """ex and y rounded up; u * beta by partial sums rounded down (never more transfer time
+    than there is); x by partial sums rounded up (within one slot of the truth per prefix)."""
+    d = _discretize(chain, slots)
+    scale = slots / chain.M_GPU
+    assert all(v >= chain.ex_F[i] * scale - 1e-6 for i, v in enumerate(d.ex_F))
+    assert all(v >= chain.y[i] * scale - 1e-6 for i, v in enumerate(d.y))
+    for disc, real in ((d.uF, chain.u_F), (d.uB, chain.u_B)):
+        assert all(v >= 0 for v in disc)
+        for k in range(1, len(real) + 1):
+            exact = sum(real[:k]) * chain.beta * scale
+            assert exact - 1 - 1e-6 <= sum(disc[:k]) <= exact + 1e-6
+    for k in range(1, len(chain.x) + 1):
+        exact = sum(chain.x[:k]) * scale
+        assert exact - 1e-6 <= sum(d.x[:k]) <= exact + 1 + 1e-6
+
+
+def test_cnn_profile_chains_count_each_saved_storage_once():
+    for name, stages in (("resnet50_224", 38), ("densenet121_224", 78)):
+        graph = Graph.load(DATA / f"{name}.json")
+        chain = chain_from_graph(graph)
+        assert chain.n == stages
+        # Conv and the ReLU before it save the same storage: the chain counts it once.
+        assert 0 < sum(chain.x) < sum(n.saved for n in graph)
+        assert chain.beta == graph.meta["bandwidth_bytes_per_s"]
+        assert min_memory(chain) < peak_memory(chain)
