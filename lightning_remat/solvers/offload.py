@@ -190,7 +190,6 @@ def chain_from_graph(
             if graph.position(a[-1]) > graph.position(b[0]):
                 raise ValueError("stages must be in forward order and not interleave")
     stored, kept_values = _stored_bytes_by_stage(graph, stage_ids)
-    n = len(stage_ids)
     u_F = [graph.total("t_fwd", s) for s in stage_ids]
     u_B = [graph.total("t_bwd", s) for s in stage_ids]
     x = [0.0] + [float(v) for v in stored]
@@ -206,7 +205,6 @@ def chain_from_graph(
         ex_B.append(float(max(graph[v].ws_bwd for v in s) + sum(graph[v].mem for v in inner)))
     chain = Chain(u_F, u_B, x, y, ex_F, ex_B, M_GPU=float(M_GPU or math.inf), beta=bandwidth,
                   stages=stage_ids)
-    del n
     return chain
 
 
