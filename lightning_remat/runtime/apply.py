@@ -1,0 +1,583 @@
+"""Apply a Plan to a module: one generated function per stage, recomputed stages under
+non-reentrant checkpoint, offloaded stages under saved-tensor hooks (DESIGN.md section 5).
+
+The rewritten module (:class:`RematModule`) adopts the original module's top-level children,
+parameters and buffers under their own names, so its ``state_dict`` keys and its Parameter
+objects are the original's: a checkpoint saved from either form loads into the other. Stage
+code is generated from the fx graph with ``self`` bound to the RematModule, so it reaches
+the very same submodules (no copies, nothing registered twice).
+
+The traps of section 5 and how each is handled here:
+
+- in-place ops at stage boundaries: an in-place op whose operand comes from another stage
+  (or is read by another stage, or is the input of a recomputed stage) is rewritten to act
+  on a clone, and the later readers of the operand read the op's result instead
+  (functionalisation of that one op). Recomputation then starts from the unmodified stage
+  input; ``checkpoint_sequential`` recomputes from the modified one or trips the version
+  counter.
+- BatchNorm running statistics: during recomputation the running statistics (and
+  ``num_batches_tracked``) of the stage's norm layers are snapshotted and restored, so they
+  are updated exactly once per step, as in the plain run.
+- dropout and other RNG: ``checkpoint(preserve_rng_state=True)`` replays the RNG state.
+- autocast: non-reentrant checkpoint records the autocast state and replays it.
+- ``eval()`` or ``torch.no_grad()``: stages run directly, no checkpoint, no hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from lightning_remat.solvers.plan import Plan, Stage
+
+__all__ = ["RematModule", "apply_plan", "remat"]
+
+OffloadHooksFactory = Callable[[int, Stage], contextlib.AbstractContextManager]
+"""Called as ``factory(stage_index, stage)``; returns the context (saved-tensor hooks)
+an offloaded stage's forward runs under."""
+
+_RESERVED = ("plan", "graph", "variants")
+
+# ---------------------------------------------------------------------------------------
+# in-place detection
+# ---------------------------------------------------------------------------------------
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+}
+
+
+def _mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
+    """The node whose tensor ``node`` modifies in place, or None."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    first = node.args[0]
+    if node.op == "call_module":
+        try:
+            module = owner.get_submodule(str(node.target))
+        except AttributeError:
+            return None
+        return first if getattr(module, "inplace", False) is True else None
+    if node.op == "call_function":
+        if node.kwargs.get("inplace") is True or node.target in _INPLACE_OPERATORS:
+            return first
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_"):
+            return first
+        return None
+    if node.op == "call_method":
+        name = str(node.target)
+        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
+            return first
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# stage assignment
+# ---------------------------------------------------------------------------------------
+def _assign_stages(graph: fx.Graph, plan: Plan) -> dict[str, int]:
+    """Stage index of every compute node. Vertices take their plan stage; every other
+    node (sizes, tuples, asserts: no tensor of its own) runs as early as its inputs
+    allow, so what crosses a stage boundary is a small value, not the tensor it was
+    read from. get_attr nodes are not assigned: each stage reads them itself."""
+    plan_stage = plan.stage_of()
+    names = {n.name for n in graph.nodes}
+    unknown = [v for v in plan_stage if v not in names]
+    if unknown:
+        raise ValueError(
+            f"the plan names vertices the traced graph does not have: {unknown[:8]}; "
+            "plan and module must come from the same trace"
+        )
+    stage: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        input_stages = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
+        earliest = max(input_stages, default=0)
+        if node.name in plan_stage:
+            stage[node.name] = plan_stage[node.name]
+            if stage[node.name] < earliest:
+                late = next(a.name for a in node.all_input_nodes if stage.get(a.name, -1) == earliest)
+                raise ValueError(
+                    f"the plan puts {node.name!r} in stage {stage[node.name]} but its input "
+                    f"{late!r} is computed in stage {earliest}; the plan does not fit this graph"
+                )
+        else:
+            stage[node.name] = earliest
+    return stage
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    copied = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        env[node] = copied.node_copy(node, lambda a: env[a])
+    return copied
+
+
+def _functionalize_crossing_inplace(
+    graph: fx.Graph, stage: dict[str, int], actions: list[str], owner: nn.Module
+) -> list[str]:
+    """Rewrite the in-place ops that would break under the plan (see the module docstring)
+    to act on a clone; return the names of the rewritten ops."""
+    position = {node: k for k, node in enumerate(graph.nodes)}
+    rewritten: list[str] = []
+    for op_node in list(graph.nodes):
+        if op_node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        operand = _mutated_operand(op_node, owner)
+        if operand is None or operand.op == "get_attr":
+            continue  # in-place updates of parameters/buffers are state, not values
+        op_stage = stage[op_node.name]
+        other_users = [u for u in operand.users if u is not op_node and u.op != "output"]
+        from_outside = operand.op == "placeholder" or stage[operand.name] != op_stage
+        needs = (from_outside and actions[op_stage] == "recompute") or any(
+            stage[u.name] != op_stage
+            and (actions[stage[u.name]] == "recompute"
+                 or (position[u] < position[op_node]) != (stage[u.name] < op_stage))
+            for u in other_users
+        )
+        if not needs:
+            continue
+        with graph.inserting_before(op_node):
+            clone = graph.call_method("clone", (operand,))
+        stage[clone.name] = op_stage
+        op_node.update_arg(0, clone)
+        # Readers after the op saw the modified tensor: they now read the op's result
+        # (setitem returns None, so its readers read the modified clone).
+        result = clone if op_node.target is operator.setitem else op_node
+        for user in list(operand.users):
+            if user is clone or user not in position or position[user] <= position[op_node]:
+                continue
+            if user.op != "output" and stage[user.name] < op_stage:
+                raise ValueError(
+                    f"{user.name!r} (stage {stage[user.name]}) reads {operand.name!r} after the "
+                    f"in-place op {op_node.name!r} (stage {op_stage}) changed it; put them in "
+                    "the same stage or keep the reader after the op"
+                )
+            user.replace_input_with(operand, result)
+        rewritten.append(op_node.name)
+    return rewritten
+
+
+# ---------------------------------------------------------------------------------------
+# stage programs
+# ---------------------------------------------------------------------------------------
+@dataclass
+class _Ref:
+    """A value of the forward's environment, by node name (in the output structure)."""
+
+    name: str
+
+
+@dataclass
+class _StageProgram:
+    index: int
+    action: str
+    input_names: list[str]
+    output_names: list[str]
+    source: str
+    fn: Callable[..., tuple]
+    norm_modules: list[str] = field(default_factory=list)
+    """Qualified names of norm layers whose running statistics recomputation must not
+    update a second time."""
+    state_buffers: list[str] = field(default_factory=list)
+    """Qualified names of buffers functional norms in the stage update."""
+    drop_after: list[str] = field(default_factory=list)
+    """Environment values no later stage reads: released after this stage."""
+
+
+@dataclass
+class _Variant:
+    """Everything forward needs for one traced form of the module."""
+
+    plan: Plan
+    programs: list[_StageProgram]
+    placeholders: list[tuple[str, str]]
+    """(node name, placeholder target) in the order of the traced signature."""
+    signature: inspect.Signature
+    output: Any
+    inplace_rewritten: list[str]
+    graph: Any = None
+
+
+_FUNCTIONAL_NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instance_norm)
+
+
+def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[..., tuple]]:
+    code = stage_graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<lightning_remat stage {index}>", "exec"), namespace)  # noqa: S102
+    return code.src, namespace["forward"]
+
+
+def _build_programs(
+    graph: fx.Graph, stage: dict[str, int], plan: Plan, owner: nn.Module
+) -> tuple[list[_StageProgram], Any]:
+    n_stages = len(plan.stages)
+    nodes = list(graph.nodes)
+    output_node = next(n for n in nodes if n.op == "output")
+    members: list[list[fx.Node]] = [[] for _ in range(n_stages)]
+    for node in nodes:
+        if node.name in stage:
+            members[stage[node.name]].append(node)
+
+    def value_stage(node: fx.Node) -> int:
+        return -1 if node.op == "placeholder" else stage[node.name]
+
+    # Which stage reads each environment value last (output: after every stage).
+    last_reader: dict[str, int] = {}
+    for k, stage_nodes in enumerate(members):
+        for node in stage_nodes:
+            for arg in node.all_input_nodes:
+                if arg.op != "get_attr" and value_stage(arg) != k:
+                    last_reader[arg.name] = max(last_reader.get(arg.name, -1), k)
+    output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"}
+
+    programs: list[_StageProgram] = []
+    for k, stage_nodes in enumerate(members):
+        stage_graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        inputs: list[str] = []
+        norm_modules: list[str] = []
+        state_buffers: list[str] = []
+
+        def lookup(arg: fx.Node, stage_graph: fx.Graph = stage_graph, env: dict = env,
+                   inputs: list = inputs) -> fx.Node:
+            if arg.name in env:
+                return env[arg.name]
+            if arg.op == "get_attr":
+                env[arg.name] = stage_graph.get_attr(str(arg.target))
+            else:  # produced by an earlier stage or a forward input
+                env[arg.name] = stage_graph.placeholder(arg.name)
+                inputs.append(arg.name)
+            return env[arg.name]
+
+        # Placeholders first: fx wants them at the top of the graph.
+        for node in stage_nodes:
+            for arg in node.all_input_nodes:
+                if arg.op != "get_attr" and value_stage(arg) != k:
+                    lookup(arg)
+        for node in stage_nodes:
+            env[node.name] = stage_graph.node_copy(node, lookup)
+            if node.op == "call_module":
+                module = owner.get_submodule(str(node.target))
+                for sub_name, sub in module.named_modules(prefix=str(node.target)):
+                    if isinstance(sub, _NormBase) and sub.track_running_stats:
+                        norm_modules.append(sub_name)
+            elif node.op == "call_function" and node.target in _FUNCTIONAL_NORMS:
+                for arg in list(node.args[1:3]) + [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]:
+                    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                        state_buffers.append(str(arg.target))
+        outputs = [
+            n.name for n in stage_nodes
+            if n.name in output_values or last_reader.get(n.name, -1) > k
+        ]
+        stage_graph.output(tuple(env[name] for name in outputs))
+        source, fn = _compile_stage(stage_graph, k)
+        drop = sorted(
+            name for name, last in last_reader.items()
+            if last == k and name not in output_values
+        )
+        programs.append(_StageProgram(
+            index=k, action=plan.stages[k].action, input_names=inputs, output_names=outputs,
+            source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
+            state_buffers=sorted(set(state_buffers)), drop_after=drop,
+        ))
+    output_structure = fx.node.map_arg(output_node.args[0], lambda n: _Ref(n.name))
+    return programs, output_structure
+
+
+# ---------------------------------------------------------------------------------------
+# recomputation context: norm statistics updated once
+# ---------------------------------------------------------------------------------------
+def _resolve(owner: nn.Module, qualified: str) -> Any:
+    value: Any = owner
+    for part in qualified.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _RestoreNormStatistics:
+    """Entered around a recomputation: restores the norm layers' running statistics and
+    ``num_batches_tracked`` to what they were when recomputation began, so a recomputed
+    forward does not update them a second time (torch's checkpoint has no such option)."""
+
+    def __init__(self, owner: nn.Module, program: _StageProgram) -> None:
+        self.owner = owner
+        self.program = program
+        self.snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        tensors: list[torch.Tensor] = []
+        for name in self.program.norm_modules:
+            tensors.extend(b for b in _resolve(self.owner, name).buffers(recurse=False) if b is not None)
+        tensors.extend(_resolve(self.owner, name) for name in self.program.state_buffers)
+        self.snapshot = [(t, t.detach().clone()) for t in tensors if isinstance(t, torch.Tensor)]
+
+    def __exit__(self, *exc: object) -> None:
+        # Also runs when checkpoint stops recomputation early (it raises to stop).
+        with torch.no_grad():
+            for tensor, saved in self.snapshot:
+                tensor.copy_(saved)
+        self.snapshot = []
+
+
+# ---------------------------------------------------------------------------------------
+# the rewritten module
+# ---------------------------------------------------------------------------------------
+def _default_offload_hooks(stage_index: int, stage: Stage) -> contextlib.AbstractContextManager:
+    """Saved tensors go to host memory (pinned when CUDA is present) and come back on use."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def _input_key(args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on: every tensor's shape and dtype, every other value itself."""
+    leaves: list[Any] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            leaves.append(("tensor", tuple(value.shape), str(value.dtype), value.device.type))
+        elif isinstance(value, (list, tuple)):
+            leaves.append(type(value).__name__)
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=repr):
+                leaves.append(repr(key))
+                visit(value[key])
+        else:
+            leaves.append(repr(value))
+
+    visit(args)
+    visit(kwargs)
+    return tuple(leaves)
+
+
+class RematModule(nn.Module):
+    """A module run stage by stage under a Plan. Build it with :func:`apply_plan` or
+    :func:`remat`. ``.plan`` is the plan for the input shapes last seen, ``.graph`` its
+    profiled Graph (None when built from a hand-made plan)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        clashes = [name for name in _RESERVED if hasattr(root, name)]
+        if clashes:
+            raise ValueError(
+                f"the module has attributes named {clashes}, which the rematerialized module "
+                "uses itself; rename them to apply a plan"
+            )
+        # Adopt the original's direct members: same objects, same state_dict keys.
+        for name, child in root._modules.items():
+            self.add_module(name, child)
+        for name, param in root._parameters.items():
+            self.register_parameter(name, param)
+        for name, buf in root._buffers.items():
+            self.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
+        self.train(root.training)
+        self._remat_variants: dict[tuple | None, _Variant] = {}
+        self._remat_current: _Variant | None = None
+        self._remat_planned_key: tuple | None = None
+        self._remat_replan: Callable[[tuple, dict], _Variant] | None = None
+        self._remat_warned = False
+        self._remat_offload_factory: OffloadHooksFactory = _default_offload_hooks
+
+    # ---- public views -------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        assert self._remat_current is not None
+        return self._remat_current.plan
+
+    @property
+    def graph(self) -> Any:
+        assert self._remat_current is not None
+        return self._remat_current.graph
+
+    @property
+    def variants(self) -> dict[tuple | None, _Variant]:
+        """Plans by input key (shapes, dtypes, non-tensor values)."""
+        return self._remat_variants
+
+    def stage_sources(self) -> list[str]:
+        """The generated code of each stage (for inspection and debugging)."""
+        assert self._remat_current is not None
+        return [p.source for p in self._remat_current.programs]
+
+    # ---- adoption of what the graph reads -----------------------------------------------
+    def _adopt_targets(self, graph: fx.Graph, sources: list[nn.Module]) -> None:
+        """Make every call_module/get_attr target resolvable from ``self``: top-level names
+        the original did not register (plain tensor attributes, fx's constants) become
+        plain attributes, never state_dict entries."""
+        for node in graph.nodes:
+            if node.op not in ("call_module", "get_attr"):
+                continue
+            head = str(node.target).split(".")[0]
+            if head in self._modules or head in self._parameters or head in self._buffers:
+                continue
+            if head in self.__dict__:
+                continue
+            for source in sources:
+                if hasattr(source, head):
+                    object.__setattr__(self, head, getattr(source, head))
+                    break
+            else:
+                raise ValueError(f"the graph reads {node.target!r}, which the module does not have")
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        variant = self._remat_current
+        if self._remat_replan is not None:
+            key = _input_key(args, kwargs)
+            variant = self._remat_variants.get(key)
+            if variant is None:
+                if not self._remat_warned:
+                    warnings.warn(
+                        "lightning_remat: the input shapes differ from the ones the plan was made "
+                        "for; re-planning for them (each new shape is planned once and cached)",
+                        stacklevel=2,
+                    )
+                    self._remat_warned = True
+                variant = self._remat_replan(args, kwargs)
+                self._remat_variants[key] = variant
+            self._remat_current = variant
+        assert variant is not None
+        return self._run(variant, args, kwargs)
+
+    def _run(self, variant: _Variant, args: tuple, kwargs: dict) -> Any:
+        bound = variant.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        env: dict[str, Any] = {}
+        for (node_name, _), value in zip(variant.placeholders, values):
+            env[node_name] = value
+        grad_mode = torch.is_grad_enabled()
+        recompute_now = self.training and grad_mode
+        for program in variant.programs:
+            inputs = [env[name] for name in program.input_names]
+            if program.action == "recompute" and recompute_now:
+                outputs = torch.utils.checkpoint.checkpoint(
+                    program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
+                    context_fn=self._context_fn(program),
+                )
+            elif program.action == "offload" and grad_mode:
+                with self._remat_offload_factory(program.index, variant.plan.stages[program.index]):
+                    outputs = program.fn(self, *inputs)
+            else:
+                outputs = program.fn(self, *inputs)
+            del inputs
+            for name in program.drop_after:
+                env.pop(name, None)
+            env.update(zip(program.output_names, outputs))
+            del outputs
+        return fx.node.map_aggregate(
+            variant.output, lambda v: env[v.name] if isinstance(v, _Ref) else v
+        )
+
+    def _context_fn(self, program: _StageProgram) -> Callable[[], tuple[Any, Any]]:
+        if not program.norm_modules and not program.state_buffers:
+            return torch.utils.checkpoint.noop_context_fn
+        return lambda: (contextlib.nullcontext(), _RestoreNormStatistics(self, program))
+
+
+def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: list[fx.Node]) -> inspect.Signature:
+    """The signature callers use: the original forward's when it lines up with the traced
+    placeholders (fx renames specialised arguments, e.g. ``flag`` -> ``flag_1``, and makes
+    keyword-only ones positional), else the traced one."""
+    traced = inspect.signature(gm.forward)
+    if root is None or root is gm:
+        return traced
+    try:
+        original = inspect.signature(root.forward)
+    except (TypeError, ValueError):
+        return traced
+    kinds = {p.kind for p in original.parameters.values()}
+    if (len(original.parameters) == len(placeholders)
+            and inspect.Parameter.VAR_POSITIONAL not in kinds
+            and inspect.Parameter.VAR_KEYWORD not in kinds):
+        return original
+    return traced
+
+
+def _build_variant(
+    gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None
+) -> _Variant:
+    if not plan.stages:
+        raise ValueError("the plan has no stages")
+    stage = _assign_stages(gm.graph, plan)
+    graph = _copy_graph(gm.graph)
+    actions = [s.action for s in plan.stages]
+    rewritten: list[str] = []
+    if len(plan.stages) > 1:
+        rewritten = _functionalize_crossing_inplace(graph, stage, actions, owner)
+    programs, output = _build_programs(graph, stage, plan, owner)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return _Variant(
+        plan=plan, programs=programs,
+        placeholders=[(n.name, str(n.target)) for n in placeholders],
+        signature=_signature_for(root, gm, placeholders), output=output,
+        inplace_rewritten=rewritten,
+    )
+
+
+def apply_plan(
+    gm: fx.GraphModule,
+    plan: Plan,
+    *,
+    offload_hooks_factory: OffloadHooksFactory | None = None,
+    root: nn.Module | None = None,
+) -> RematModule:
+    """The module ``gm`` traces, run under ``plan``.
+
+    ``plan``'s vertex ids are ``gm``'s node names. ``root`` is the module ``gm`` was traced
+    from: the result then adopts ``root``'s members (exactly its state_dict keys and
+    Parameter objects, unused ones included) and takes its forward signature; without it,
+    ``gm``'s members. ``offload_hooks_factory(stage_index, stage)`` gives the saved-tensor
+    hooks of offloaded stages (default: ``torch.autograd.graph.save_on_cpu``)."""
+    owner = RematModule(root if root is not None else gm)
+    owner._adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
+    if offload_hooks_factory is not None:
+        owner._remat_offload_factory = offload_hooks_factory
+    variant = _build_variant(gm, plan, owner, root)
+    owner._remat_variants[None] = variant
+    owner._remat_current = variant
+    return owner
+
+
+# ---------------------------------------------------------------------------------------
+# remat(): trace, profile, solve, apply
+# ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _state_preserved(module: nn.Module) -> Iterator[None]:
+    """Profiling runs real steps: put buffers (BatchNorm statistics), gradients and the RNG
+    back as they were, so ``remat()`` leaves the model as it found it."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    training = {m: m.training for m in module.modules()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, saved in buffers:
+                tensor.copy_(saved)
+        for param, grad in grads:
+            param.grad = grad
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, mode in training.items():
+            m.training = mode
