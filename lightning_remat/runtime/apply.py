@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import operator
 
 import torch
 import torch.fx as fx
@@ -88,14 +87,18 @@ def _mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
 # ---------------------------------------------------------------------------------------
 # stage assignment
 # ---------------------------------------------------------------------------------------
-def _assign_stages(graph: fx.Graph, plan: Plan) -> dict[str, int]:
-    """Stage index of every compute node. Vertices take their plan stage; every other
-    node (sizes, tuples, asserts: no tensor of its own) runs as early as its inputs
-    allow, so what crosses a stage boundary is a small value, not the tensor it was
-    read from. get_attr nodes are not assigned: each stage reads them itself."""
+def _assign_stages(graph: fx.Graph, plan: Plan, charge: dict[str, str] | None = None) -> dict[str, int]:
+    """Stage index of every compute node. A vertex takes its plan stage, and so does a node
+    ``charge`` maps to a vertex (trace_module charges a tuple producer such as ``chunk`` to
+    its first ``getitem``; the chain fallback names nodes after children). Every other node
+    (sizes, asserts: no tensor of its own) runs as early as its inputs allow, so what
+    crosses a stage boundary is a small value, not the tensor it was read from. get_attr
+    nodes are not assigned: each stage reads them itself."""
     plan_stage = plan.stage_of()
+    charge = dict(charge or {})
     names = {n.name for n in graph.nodes}
-    unknown = [v for v in plan_stage if v not in names]
+    known = names | set(charge.values())
+    unknown = [v for v in plan_stage if v not in known]
     if unknown:
         raise ValueError(
             f"the plan names vertices the traced graph does not have: {unknown[:8]}; "
@@ -107,12 +110,13 @@ def _assign_stages(graph: fx.Graph, plan: Plan) -> dict[str, int]:
             continue
         input_stages = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
         earliest = max(input_stages, default=0)
-        if node.name in plan_stage:
-            stage[node.name] = plan_stage[node.name]
+        vertex = charge.get(node.name, node.name)
+        if vertex in plan_stage:
+            stage[node.name] = plan_stage[vertex]
             if stage[node.name] < earliest:
                 late = next(a.name for a in node.all_input_nodes if stage.get(a.name, -1) == earliest)
                 raise ValueError(
-                    f"the plan puts {node.name!r} in stage {stage[node.name]} but its input "
+                    f"the plan puts {vertex!r} in stage {stage[node.name]} but its input "
                     f"{late!r} is computed in stage {earliest}; the plan does not fit this graph"
                 )
         else:
@@ -367,6 +371,42 @@ def _input_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(leaves)
 
 
+def _rebuild(structure: Any, env: dict[str, Any]) -> Any:
+    """The forward's output from its traced structure: plain dicts and lists (fx stores
+    them as immutable_dict/immutable_list), tuples and named tuples as they were."""
+    if isinstance(structure, _Ref):
+        return env[structure.name]
+    if isinstance(structure, tuple):
+        items = [_rebuild(v, env) for v in structure]
+        return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
+    if isinstance(structure, list):
+        return [_rebuild(v, env) for v in structure]
+    if isinstance(structure, dict):
+        return {k: _rebuild(v, env) for k, v in structure.items()}
+    if isinstance(structure, slice):
+        return slice(_rebuild(structure.start, env), _rebuild(structure.stop, env),
+                     _rebuild(structure.step, env))
+    return structure
+
+
+def _same_values(key_a: tuple | None, key_b: tuple | None) -> bool:
+    """Whether two input keys differ in tensor shapes only (same non-tensor values)."""
+    if key_a is None or key_b is None or len(key_a) != len(key_b):
+        return False
+    return all(
+        (isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("tensor",)
+         and a[2:] == b[2:]) or a == b
+        for a, b in zip(key_a, key_b)
+    )
+
+
+def _shapes(key: tuple | None) -> str:
+    return ", ".join(
+        "x".join(map(str, leaf[1])) or "scalar"
+        for leaf in (key or ()) if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)
+    )
+
+
 class RematModule(nn.Module):
     """A module run stage by stage under a Plan. Build it with :func:`apply_plan` or
     :func:`remat`. ``.plan`` is the plan for the input shapes last seen, ``.graph`` its
@@ -391,7 +431,7 @@ class RematModule(nn.Module):
         self._remat_variants: dict[tuple | None, _Variant] = {}
         self._remat_current: _Variant | None = None
         self._remat_planned_key: tuple | None = None
-        self._remat_replan: Callable[[tuple, dict], _Variant] | None = None
+        self._remat_planner: Callable[..., _Variant] | None = None
         self._remat_warned = False
         self._remat_offload_factory: OffloadHooksFactory = _default_offload_hooks
 
@@ -439,19 +479,27 @@ class RematModule(nn.Module):
     # ---- forward --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         variant = self._remat_current
-        if self._remat_replan is not None:
+        if self._remat_planner is not None:
             key = _input_key(args, kwargs)
-            variant = self._remat_variants.get(key)
-            if variant is None:
+            found = self._remat_variants.get(key)
+            if found is None and not (self.training and torch.is_grad_enabled()) \
+                    and variant is not None and _same_values(key, self._remat_planned_key):
+                # Nothing is recomputed here, and the traced code is shape-generic: no plan
+                # is needed for an evaluation batch of another size.
+                found = variant
+            if found is None:
                 if not self._remat_warned:
                     warnings.warn(
                         "lightning_remat: the input shapes differ from the ones the plan was made "
-                        "for; re-planning for them (each new shape is planned once and cached)",
+                        f"for ({_shapes(self._remat_planned_key)} -> {_shapes(key)}); re-planning "
+                        "for them (each new shape is planned once and cached)",
                         stacklevel=2,
                     )
                     self._remat_warned = True
-                variant = self._remat_replan(args, kwargs)
-                self._remat_variants[key] = variant
+                found = self._remat_planner(self, args, kwargs)
+                self._remat_variants[key] = found
+                self._remat_planned_key = key
+            variant = found
             self._remat_current = variant
         assert variant is not None
         return self._run(variant, args, kwargs)
@@ -482,9 +530,7 @@ class RematModule(nn.Module):
                 env.pop(name, None)
             env.update(zip(program.output_names, outputs))
             del outputs
-        return fx.node.map_aggregate(
-            variant.output, lambda v: env[v.name] if isinstance(v, _Ref) else v
-        )
+        return _rebuild(variant.output, env)
 
     def _context_fn(self, program: _StageProgram) -> Callable[[], tuple[Any, Any]]:
         if not program.norm_modules and not program.state_buffers:
@@ -512,11 +558,12 @@ def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: lis
 
 
 def _build_variant(
-    gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None
+    gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None,
+    charge: dict[str, str] | None = None,
 ) -> _Variant:
     if not plan.stages:
         raise ValueError("the plan has no stages")
-    stage = _assign_stages(gm.graph, plan)
+    stage = _assign_stages(gm.graph, plan, charge)
     graph = _copy_graph(gm.graph)
     actions = [s.action for s in plan.stages]
     rewritten: list[str] = []
@@ -538,6 +585,7 @@ def apply_plan(
     *,
     offload_hooks_factory: OffloadHooksFactory | None = None,
     root: nn.Module | None = None,
+    charge: dict[str, str] | None = None,
 ) -> RematModule:
     """The module ``gm`` traces, run under ``plan``.
 
@@ -545,12 +593,14 @@ def apply_plan(
     from: the result then adopts ``root``'s members (exactly its state_dict keys and
     Parameter objects, unused ones included) and takes its forward signature; without it,
     ``gm``'s members. ``offload_hooks_factory(stage_index, stage)`` gives the saved-tensor
-    hooks of offloaded stages (default: ``torch.autograd.graph.save_on_cpu``)."""
+    hooks of offloaded stages (default: ``torch.autograd.graph.save_on_cpu``). ``charge``
+    maps fx node names to the vertex ids they belong to when those differ
+    (:attr:`lightning_remat.graph.trace.Traced.charge`)."""
     owner = RematModule(root if root is not None else gm)
     owner._adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if offload_hooks_factory is not None:
         owner._remat_offload_factory = offload_hooks_factory
-    variant = _build_variant(gm, plan, owner, root)
+    variant = _build_variant(gm, plan, owner, root, charge)
     owner._remat_variants[None] = variant
     owner._remat_current = variant
     return owner
@@ -559,25 +609,166 @@ def apply_plan(
 # ---------------------------------------------------------------------------------------
 # remat(): trace, profile, solve, apply
 # ---------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _state_preserved(module: nn.Module) -> Iterator[None]:
-    """Profiling runs real steps: put buffers (BatchNorm statistics), gradients and the RNG
-    back as they were, so ``remat()`` leaves the model as it found it."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    training = {m: m.training for m in module.modules()}
+def _estimated_costs(traced: Any, args: list[Any]) -> Any:
+    """The traced graph with each vertex's output bytes filled in from one no-grad run (no
+    times): what remat() plans with while graph.profile.profile_module is not available."""
+    from lightning_remat.graph.ir import Graph, Node
+
+    runner = traced.runner
+    charge: dict[str, str] = dict(traced.charge)
+    out_bytes: dict[str, int] = {}
+
+    class _Sizes(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            value = super().run_node(n)
+            vertex = charge.get(n.name, n.name)
+            if vertex in traced.graph and n.op.startswith("call"):
+                total = sum(
+                    t.numel() * t.element_size()
+                    for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+                )
+                out_bytes[vertex] = max(out_bytes.get(vertex, 0), total)
+            return value
+
+    with torch.no_grad():
+        _Sizes(runner).run(*args)
+    nodes = [
+        Node(id=n.id, op=n.op, mem=out_bytes.get(n.id, 0), saved=out_bytes.get(n.id, 0))
+        for n in traced.graph
+    ]
+    meta = dict(traced.graph.meta)
+    meta["costs"] = "estimated: output bytes only (no profiler available)"
+    return Graph(nodes, list(traced.graph.edges), meta)
+
+
+def _profiled_graph(module: nn.Module, traced: Any, inputs: tuple, kwargs: dict) -> Any:
+    """The traced graph with measured costs (graph.profile.profile_module when present)."""
     try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, saved in buffers:
-                tensor.copy_(saved)
-        for param, grad in grads:
-            param.grad = grad
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for m, mode in training.items():
-            m.training = mode
+        from lightning_remat.graph.profile import profile_module
+    except ImportError:
+        return _estimated_costs(traced, traced.call_args(inputs, kwargs))
+    return profile_module(module, inputs, kwargs, traced=traced)
+
+
+def _plain_peak(graph: Any) -> int:
+    from lightning_remat.solvers.simulate import simulate
+
+    peak = graph.meta.get("plain_peak_bytes")
+    return int(peak) if peak else int(simulate(graph).peak_bytes)
+
+
+def _device_budget(device: torch.device) -> int | None:
+    """No budget given: the device's free memory on CUDA, no limit elsewhere."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return None
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value
+    )
+
+
+class _Planner:
+    """Traces, profiles, solves and builds a variant for one set of inputs (remat() and the
+    re-planning of a RematModule when the input shapes change)."""
+
+    def __init__(self, module: nn.Module, memory_budget: Any, solver: str) -> None:
+        self.module = module
+        self.memory_budget = memory_budget
+        self.solver = solver
+        self.budget_bytes: int | None = None
+        """The budget in bytes fixed at the first plan: a fraction means a fraction of the
+        first profiled plain peak, and later shapes are held to the same bytes."""
+
+    def __call__(self, owner: RematModule, inputs: tuple, kwargs: dict, first: bool = False) -> _Variant:
+        from lightning_remat.budget import parse_budget
+        from lightning_remat.graph.trace import preserved_state, trace_module
+        from lightning_remat.solvers import plain_plan, solve
+
+        module = self.module
+        device = _module_device(module)
+        grads = [(p, p.grad) for p in module.parameters()]
+        with preserved_state(module, [device]):
+            for param in module.parameters():
+                param.grad = None  # profiling's backward must not add into the user's grads
+            try:
+                traced = trace_module(module, inputs, kwargs)
+                graph = _profiled_graph(module, traced, inputs, kwargs)
+            finally:
+                for param, grad in grads:
+                    param.grad = grad
+        if first:
+            if self.memory_budget is None:
+                self.budget_bytes = _device_budget(device)
+            else:
+                self.budget_bytes = parse_budget(self.memory_budget, _plain_peak(graph))
+        budget = self.budget_bytes
+        if self.memory_budget is None and device.type == "cuda" and not first:
+            budget = _device_budget(device)
+        if budget is None:
+            plan = plain_plan(graph)
+        else:
+            plan = solve(graph, budget, self.solver)
+        gm = traced.runner
+        owner._adopt_targets(gm.graph, [module, gm])
+        variant = _build_variant(gm, plan, owner, module, traced.charge)
+        variant.graph = graph
+        return variant
+
+
+def remat(
+    module: nn.Module,
+    example_input: Any,
+    memory_budget: int | float | str | None = None,
+    solver: str = "auto",
+    device: str | torch.device | None = None,
+) -> RematModule:
+    """``module`` rematerialized to train within ``memory_budget``.
+
+    ``example_input``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+    ``memory_budget``: bytes, a size string (``"4GiB"``, ``"512MB"``) or a fraction of the
+    plain step's profiled peak (``"60%"``, ``0.6``); None means the device's free memory on
+    CUDA and no limit on CPU (the result then runs the plain plan, with its profile in
+    ``.graph``). ``device``: where to profile and train (the module is moved there; default:
+    where its parameters are).
+
+    The result shares the module's Parameter objects and state_dict keys, has ``.plan`` and
+    ``.graph``, and re-plans once per new input shape (with a one-time warning) so a changed
+    shape never silently exceeds the budget. Raises ``ValueError`` for a malformed budget and
+    :class:`~lightning_remat.errors.RematInfeasibleError` (with the smallest feasible
+    budget) when no plan fits.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remat() needs a torch.nn.Module, got {type(module).__name__}")
+    if device is not None:
+        module.to(torch.device(device))
+    target = _module_device(module)
+    if isinstance(example_input, dict):
+        inputs, kwargs = (), dict(example_input)
+    elif isinstance(example_input, (tuple, list)):
+        inputs, kwargs = tuple(example_input), {}
+    else:
+        inputs, kwargs = (example_input,), {}
+    inputs, kwargs = _move(inputs, target), _move(kwargs, target)
+    if memory_budget is not None:
+        from lightning_remat.budget import parse_budget
+
+        parse_budget(memory_budget, 2**50)  # a malformed budget fails before any profiling
+    planner = _Planner(module, memory_budget, solver)
+    owner = RematModule(module)
+    variant = planner(owner, inputs, kwargs, first=True)
+    key = _input_key(inputs, kwargs)
+    owner._remat_variants[key] = variant
+    owner._remat_current = variant
+    owner._remat_planned_key = key
+    owner._remat_planner = planner
+    return owner
