@@ -149,12 +149,13 @@ def _devices_of(module: nn.Module, inputs: Sequence[Any]) -> list[torch.device]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal output structures with allclose tensors."""
-    la, sa = pytree.tree_flatten(a)
-    lb, sb = pytree.tree_flatten(b)
-    if sa != sb or len(la) != len(lb):
+    """Equal output structures (same key paths; fx returns immutable dicts and lists) with
+    allclose tensors."""
+    pa, _ = pytree.tree_flatten_with_path(a)
+    pb, _ = pytree.tree_flatten_with_path(b)
+    if [str(path) for path, _ in pa] != [str(path) for path, _ in pb]:
         return False
-    for x, y in zip(la, lb):
+    for (_, x), (_, y) in zip(pa, pb):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
         if isinstance(x, torch.Tensor):
@@ -255,17 +256,23 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
                 vertex.add(n.name)
                 charge[n.name] = n.name
 
-    # resolve(node) -> (vertex ids it stands for, whether it reaches a step input)
+    # resolved[node] = (vertex ids the node's value stands for, whether it reaches an input).
+    # A tuple producer stands for the vertex it is charged to, except for that vertex itself,
+    # which depends on the producer's own inputs (tuple_inputs).
     resolved: dict[str, tuple[frozenset[str], bool]] = {}
+    tuple_inputs: dict[str, tuple[frozenset[str], bool]] = {}
 
-    def deps_of(n: fx.Node) -> tuple[set[str], bool]:
+    def deps_of(n: fx.Node) -> tuple[frozenset[str], bool]:
         ids: set[str] = set()
         touches = False
         for a in _input_nodes(n):
-            got, t = resolved[a.name]
+            if a.name in tuple_inputs and charge[a.name] == n.name:
+                got, t = tuple_inputs[a.name]
+            else:
+                got, t = resolved[a.name]
             ids |= got
             touches |= t
-        return ids, touches
+        return frozenset(ids), touches
 
     edges: list[tuple[str, str]] = []
     input_consumers: list[str] = []
@@ -279,21 +286,17 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
             ids, _ = deps_of(n)
             outputs = [m.name for m in nodes if m.name in ids]
         elif n.name in vertex:
-            source = n.args[0] if _is_getitem(n) else None
-            if (isinstance(source, fx.Node) and source.name in charge and source.name not in vertex
-                    and charge[source.name] != n.name):
-                # A later element of a tuple whose op is charged to an earlier element.
-                ids, touches = {charge[source.name]}, False
-            else:
-                ids, touches = deps_of(n)
+            ids, touches = deps_of(n)
             for u in sorted(ids, key=order.__getitem__):
                 edges.append((u, n.name))
             if touches:
                 input_consumers.append(n.name)
             resolved[n.name] = (frozenset({n.name}), False)
+        elif n.name in charge:
+            tuple_inputs[n.name] = deps_of(n)
+            resolved[n.name] = (frozenset({charge[n.name]}), False)
         else:
-            ids, touches = deps_of(n)
-            resolved[n.name] = (frozenset(ids), touches)
+            resolved[n.name] = deps_of(n)
 
     # Parameters: a call_module owns its module's parameters; a get_attr parameter belongs to
     # the first op using it. Each parameter is counted once (weight tying, modules called twice).
