@@ -642,12 +642,13 @@ def _estimated_costs(traced: Any, args: list[Any]) -> Any:
 
 
 def _profiled_graph(module: nn.Module, traced: Any, inputs: tuple, kwargs: dict) -> Any:
-    """The traced graph with measured costs (graph.profile.profile_module when present)."""
+    """The traced graph with measured costs (graph.profile.profile_module; a size-only
+    estimate on a checkout that lacks it)."""
     try:
         from lightning_remat.graph.profile import profile_module
     except ImportError:
         return _estimated_costs(traced, traced.call_args(inputs, kwargs))
-    return profile_module(module, inputs, kwargs, traced=traced)
+    return profile_module(module, inputs, traced=traced, example_kwargs=kwargs)
 
 
 def _plain_peak(graph: Any) -> int:
