@@ -658,6 +658,33 @@ def _plain_peak(graph: Any) -> int:
     return int(peak) if peak else int(simulate(graph).peak_bytes)
 
 
+_BANDWIDTH_CACHE: dict[str, float] = {}
+
+
+def measured_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-host copy (pinned host memory on CUDA; a host copy
+    elsewhere, where the offload executor copies host to host), measured once per device:
+    the offloading solvers' beta (Beaumont et al., section 3)."""
+    key = str(device)
+    if key not in _BANDWIDTH_CACHE:
+        import time
+
+        nbytes = 32 * 2**20
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            target.copy_(source, non_blocking=device.type == "cuda")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        _BANDWIDTH_CACHE[key] = nbytes / max(best, 1e-9)
+    return _BANDWIDTH_CACHE[key]
+
+
 def _device_budget(device: torch.device) -> int | None:
     """No budget given: the device's free memory on CUDA, no limit elsewhere."""
     if device.type == "cuda":
@@ -712,6 +739,8 @@ class _Planner:
                 self.budget_bytes = _device_budget(device)
             else:
                 self.budget_bytes = parse_budget(self.memory_budget, _plain_peak(graph))
+        # The offloading solvers (and "auto", which ends with them) need beta.
+        graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
         budget = self.budget_bytes
         if self.memory_budget is None and device.type == "cuda" and not first:
             budget = _device_budget(device)
