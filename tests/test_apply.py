@@ -474,3 +474,18 @@ def test_stage_boundary_values_are_released() -> None:
     crossing = {name for p in programs for name in p.input_names if name != "x"}
     dropped = {name for p in programs for name in p.drop_after}
     assert crossing - {"fc"} <= dropped | {"x"}
+
+
+def test_deepcopy_and_whole_module_pickling(tmp_path) -> None:
+    """Lightning and users copy or torch.save whole modules: the generated stage code must
+    survive both (it is rebuilt from the stage graphs on load)."""
+    torch.manual_seed(0)
+    model, plain = twins(ResidualCNN())
+    remat_model = rematerialize(model, (torch.randn(4, 3, 8, 8),), plan_fn=lambda g: segments_plan(g, 3))
+    copied = copy.deepcopy(remat_model)
+    assert copied.conv1 is not remat_model.conv1
+    torch.save(remat_model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    batches = [((torch.randn(4, 3, 8, 8),), {}) for _ in range(2)]
+    train_side_by_side(model, copied, copy.deepcopy(plain), batches)
+    train_side_by_side(model, loaded, plain, batches)

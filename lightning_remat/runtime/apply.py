@@ -202,6 +202,18 @@ class _StageProgram:
     """Qualified names of buffers functional norms in the stage update."""
     drop_after: list[str] = field(default_factory=list)
     """Environment values no later stage reads: released after this stage."""
+    stage_graph: fx.Graph | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Generated functions do not pickle; the stage's fx graph does, and recompiles.
+        state = dict(self.__dict__)
+        state["fn"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.fn is None and self.stage_graph is not None:
+            self.source, self.fn = _compile_stage(self.stage_graph, self.index)
 
 
 @dataclass
@@ -299,7 +311,7 @@ def _build_programs(
         programs.append(_StageProgram(
             index=k, action=plan.stages[k].action, input_names=inputs, output_names=outputs,
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
-            state_buffers=sorted(set(state_buffers)), drop_after=drop,
+            state_buffers=sorted(set(state_buffers)), drop_after=drop, stage_graph=stage_graph,
         ))
     output_structure = fx.node.map_arg(output_node.args[0], lambda n: _Ref(n.name))
     return programs, output_structure
@@ -343,9 +355,26 @@ class _RestoreNormStatistics:
 # ---------------------------------------------------------------------------------------
 # the rewritten module
 # ---------------------------------------------------------------------------------------
-def _default_offload_hooks(stage_index: int, stage: Stage) -> contextlib.AbstractContextManager:
-    """Saved tensors go to host memory (pinned when CUDA is present) and come back on use."""
-    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+class _DefaultOffloadHooks:
+    """The offload executor (runtime.offload.OffloadHooks: side-stream copies to pinned host
+    memory, prefetch in the backward), one instance shared by the module's offloaded
+    stages so its prefetch order spans them; ``torch.autograd.graph.save_on_cpu`` where
+    that executor is not available."""
+
+    def __init__(self) -> None:
+        self.hooks: Any = None
+
+    def __call__(self, stage_index: int, stage: Stage) -> contextlib.AbstractContextManager:
+        if self.hooks is None:
+            try:
+                from lightning_remat.runtime.offload import OffloadHooks
+            except ImportError:
+                return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            self.hooks = OffloadHooks()
+        return self.hooks
+
+    def __deepcopy__(self, memo: dict) -> _DefaultOffloadHooks:
+        return _DefaultOffloadHooks()  # hooks hold streams and step state: start fresh
 
 
 def _input_key(args: tuple, kwargs: dict) -> tuple:
@@ -433,7 +462,7 @@ class RematModule(nn.Module):
         self._remat_planned_key: tuple | None = None
         self._remat_planner: Callable[..., _Variant] | None = None
         self._remat_warned = False
-        self._remat_offload_factory: OffloadHooksFactory = _default_offload_hooks
+        self._remat_offload_factory: OffloadHooksFactory = _DefaultOffloadHooks()
 
     # ---- public views -------------------------------------------------------------------
     @property
@@ -593,7 +622,8 @@ def apply_plan(
     from: the result then adopts ``root``'s members (exactly its state_dict keys and
     Parameter objects, unused ones included) and takes its forward signature; without it,
     ``gm``'s members. ``offload_hooks_factory(stage_index, stage)`` gives the saved-tensor
-    hooks of offloaded stages (default: ``torch.autograd.graph.save_on_cpu``). ``charge``
+    hooks of offloaded stages (default: runtime.offload.OffloadHooks, or
+    ``torch.autograd.graph.save_on_cpu`` without it). ``charge``
     maps fx node names to the vertex ids they belong to when those differ
     (:attr:`lightning_remat.graph.trace.Traced.charge`)."""
     owner = RematModule(root if root is not None else gm)
@@ -665,6 +695,12 @@ def measured_bandwidth(device: torch.device) -> float:
     """Bytes per second of a device-to-host copy (pinned host memory on CUDA; a host copy
     elsewhere, where the offload executor copies host to host), measured once per device:
     the offloading solvers' beta (Beaumont et al., section 3)."""
+    try:
+        from lightning_remat.runtime.offload import measure_bandwidth
+    except ImportError:
+        pass
+    else:
+        return float(measure_bandwidth(device))
     key = str(device)
     if key not in _BANDWIDTH_CACHE:
         import time
