@@ -152,6 +152,40 @@ def test_keyword_inputs_and_tuple_outputs() -> None:
     train_side_by_side(model, remat_model, plain, batches)
 
 
+class Flagged(nn.Module):
+    """A non-tensor flag steering Python control flow (fx needs it specialised)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, use_relu: bool = True) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.relu(h) if use_relu else torch.tanh(h)
+        return self.c(torch.sigmoid(self.b(h)))
+
+
+def test_non_tensor_flag_is_specialised_and_replanned() -> None:
+    torch.manual_seed(0)
+    model = Flagged()
+    plain = copy.deepcopy(model)
+    x = torch.randn(64, 8)
+    budget, _ = reachable_bytes(model, x)
+    remat_model = remat(model, x, memory_budget=budget, solver="test-segments")
+    assert remat_model.plan.count("recompute") >= 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat_model(x, use_relu=True)  # the default, given explicitly: same plan, no warning
+    assert len(remat_model.variants) == 1
+    with pytest.warns(UserWarning, match="re-planning"):
+        remat_model(x, False)
+    assert len(remat_model.variants) == 2
+    batches = [((torch.randn(64, 8),), {"use_relu": step % 2 == 0}) for step in range(4)]
+    train_side_by_side(model, remat_model, plain, batches)
+
+
 def test_chain_fallback_uses_the_same_machinery() -> None:
     class Branchy(nn.Module):
         """Data-dependent control flow: fx cannot trace it, the children chain can."""

@@ -400,6 +400,20 @@ def _input_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(leaves)
 
 
+def _bound_key(variant: _Variant | None, args: tuple, kwargs: dict) -> tuple:
+    """The input key with defaults filled in, so ``f(x)`` and ``f(x, flag=True)`` (the
+    default) share a plan."""
+    if variant is not None:
+        try:
+            bound = variant.signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            return _input_key(tuple(bound.arguments.values()), {})
+    return _input_key(args, kwargs)
+
+
 def _rebuild(structure: Any, env: dict[str, Any]) -> Any:
     """The forward's output from its traced structure: plain dicts and lists (fx stores
     them as immutable_dict/immutable_list), tuples and named tuples as they were."""
@@ -509,7 +523,7 @@ class RematModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         variant = self._remat_current
         if self._remat_planner is not None:
-            key = _input_key(args, kwargs)
+            key = _bound_key(variant, args, kwargs)
             found = self._remat_variants.get(key)
             if found is None and not (self.training and torch.is_grad_enabled()) \
                     and variant is not None and _same_values(key, self._remat_planned_key):
@@ -519,9 +533,10 @@ class RematModule(nn.Module):
             if found is None:
                 if not self._remat_warned:
                     warnings.warn(
-                        "lightning_remat: the input shapes differ from the ones the plan was made "
-                        f"for ({_shapes(self._remat_planned_key)} -> {_shapes(key)}); re-planning "
-                        "for them (each new shape is planned once and cached)",
+                        "lightning_remat: the inputs differ from the ones the plan was made for "
+                        f"(shapes {_shapes(self._remat_planned_key)} -> {_shapes(key)}, or "
+                        "non-tensor arguments); re-planning for them (each new input shape is "
+                        "planned once and cached)",
                         stacklevel=2,
                     )
                     self._remat_warned = True
@@ -741,6 +756,49 @@ def _move(value: Any, device: torch.device) -> Any:
     )
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _trace(module: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    """trace_module, except when the call gives non-tensor scalars (a flag, a mode string):
+    those are specialised with concrete_args, like the arguments left at their defaults, so
+    ``if flag:`` traces. A new value of such an argument is a new input key, so it is
+    re-planned (and re-traced) rather than run through a graph traced for another value."""
+    from lightning_remat.graph.trace import Traced, build_fx_graph, preserved_state, trace_module
+
+    try:
+        signature = inspect.signature(module.forward)
+        bound = signature.bind(*inputs, **kwargs)
+    except (TypeError, ValueError):
+        return trace_module(module, inputs, kwargs)
+    given_scalars = {n for n, v in bound.arguments.items() if isinstance(v, _SCALARS)}
+    kinds_ok = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in signature.parameters.values())
+    if not given_scalars or not kinds_ok:
+        return trace_module(module, inputs, kwargs)
+    bound.apply_defaults()
+    concrete = {n: v for n, v in bound.arguments.items() if isinstance(v, _SCALARS)}
+    try:
+        gm = fx.symbolic_trace(module, concrete_args=concrete)
+        kinds: dict[str, str] = {}
+
+        class _Kinds(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                value = super().run_node(n)
+                leaves = torch.utils._pytree.tree_leaves(value)
+                kinds[n.name] = ("tensor" if isinstance(value, torch.Tensor) else "tensors"
+                                 if any(isinstance(t, torch.Tensor) for t in leaves) else "other")
+                return value
+
+        with preserved_state(module, [_module_device(module)]), torch.no_grad():
+            _Kinds(gm).run(*bound.arguments.values())
+        graph, charge = build_fx_graph(gm, kinds)
+    except Exception:  # noqa: BLE001 - trace_module explains the failure better
+        return trace_module(module, inputs, kwargs)
+    defaults = {n: p.default for n, p in signature.parameters.items() if p.default is not p.empty}
+    return Traced(gm=gm, graph=graph, kind="fx", charge=charge,
+                  _signature_names=list(signature.parameters), _defaults=defaults)
+
+
 class _Planner:
     """Traces, profiles, solves and builds a variant for one set of inputs (remat() and the
     re-planning of a RematModule when the input shapes change)."""
@@ -755,7 +813,7 @@ class _Planner:
 
     def __call__(self, owner: RematModule, inputs: tuple, kwargs: dict, first: bool = False) -> _Variant:
         from lightning_remat.budget import parse_budget
-        from lightning_remat.graph.trace import preserved_state, trace_module
+        from lightning_remat.graph.trace import preserved_state
         from lightning_remat.solvers import plain_plan, solve
 
         module = self.module
@@ -765,7 +823,7 @@ class _Planner:
             for param in module.parameters():
                 param.grad = None  # profiling's backward must not add into the user's grads
             try:
-                traced = trace_module(module, inputs, kwargs)
+                traced = _trace(module, inputs, kwargs)
                 graph = _profiled_graph(module, traced, inputs, kwargs)
             finally:
                 for param, grad in grads:
@@ -832,7 +890,7 @@ def remat(
     planner = _Planner(module, memory_budget, solver)
     owner = RematModule(module)
     variant = planner(owner, inputs, kwargs, first=True)
-    key = _input_key(inputs, kwargs)
+    key = _bound_key(variant, inputs, kwargs)
     owner._remat_variants[key] = variant
     owner._remat_current = variant
     owner._remat_planned_key = key
