@@ -163,6 +163,21 @@ def test_keeps_parameter_objects_and_state_dict_keys_both_ways() -> None:
     assert all("def forward" in src for src in remat_model.stage_sources())
 
 
+def test_a_graph_module_alone_keeps_its_own_keys_and_modes() -> None:
+    """Without ``root`` the GraphModule's members are adopted; a child the user froze in
+    eval mode stays in eval mode."""
+    torch.manual_seed(0)
+    model = ResidualCNN()
+    model.bn2.eval()  # a frozen BatchNorm inside a training model
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    traced = trace_module(model, (x,))
+    remat_model = apply_plan(traced.runner, segments_plan(traced.graph, 2))
+    assert list(remat_model.state_dict()) == list(traced.runner.state_dict())
+    assert remat_model.training and not remat_model.bn2.training
+    train_side_by_side(model, remat_model, plain, [((torch.randn(2, 3, 8, 8),), {}) for _ in range(2)])
+
+
 def test_unused_parameters_keep_their_keys() -> None:
     class WithUnused(nn.Module):
         def __init__(self) -> None:

@@ -457,7 +457,8 @@ class RematModule(nn.Module):
 
     def __init__(self, root: nn.Module) -> None:
         super().__init__()
-        clashes = [name for name in _RESERVED if hasattr(root, name)]
+        members = set(root._modules) | set(root._parameters) | set(root._buffers)
+        clashes = [name for name in _RESERVED if name in members]
         if clashes:
             raise ValueError(
                 f"the module has attributes named {clashes}, which the rematerialized module "
@@ -470,7 +471,7 @@ class RematModule(nn.Module):
             self.register_parameter(name, param)
         for name, buf in root._buffers.items():
             self.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
-        self.train(root.training)
+        self.training = root.training  # not .train(): children keep their own modes
         self._remat_variants: dict[tuple | None, _Variant] = {}
         self._remat_current: _Variant | None = None
         self._remat_planned_key: tuple | None = None
