@@ -213,3 +213,21 @@ def test_nested_tuple_outputs_hang_off_the_op_owner():
         if any(p in reach for p in graph.predecessors(vid)):
             reach.add(vid)
     assert reach == set(graph.ids)
+
+
+class ReshapeByOtherSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 6)
+
+    def forward(self, x):
+        ha, hb = self.a(x), self.b(x)
+        return hb.view(ha.size(0), 2, 3)  # reads ha only for its size
+
+
+def test_edges_that_carry_only_sizes_are_marked():
+    graph = trace_module(ReshapeByOtherSize(), torch.randn(2, 4)).graph
+    assert sorted(graph.predecessors("view")) == ["a", "b"]
+    assert graph.meta["shape_edges"] == [["a", "view"]]
+    assert trace_module(ViewBySize(), torch.randn(2, 3, 6, 6)).graph.meta["shape_edges"] == []

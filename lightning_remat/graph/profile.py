@@ -11,9 +11,10 @@
 - ``t_fwd``/``t_bwd``: median over ``repeats`` steps after ``warmup`` steps; the forward is
   timed around the op, the backward by pre/post hooks on every autograd node the op created
   (``perf_counter`` on CPU, CUDA events on GPU);
-- ``ws_fwd``/``ws_bwd``: on CUDA the allocator's peak during the op above the larger of the
-  allocated bytes before and after it (the op's temporary workspace). On CPU there is no
-  per-op allocator counter, so they are 0.
+- ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
+  and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
+  the allocator's peak counter, on CPU the resident high-water mark of DESIGN.md section 6
+  (temporaries under 64 KiB are not seen; 0 where /proc is missing).
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
 never holds all activations: the forward runs under ``no_grad`` (values freed after their
@@ -33,7 +34,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,7 +53,13 @@ from lightning_remat.graph.trace import (
     preserved_state,
     trace_module,
 )
-from lightning_remat.runtime.memory import peak_bytes
+from lightning_remat.runtime.memory import (
+    high_water_mark,
+    peak_bytes,
+    reset_high_water_mark,
+    resident_bytes,
+    set_mmap_threshold,
+)
 
 __all__ = ["profile_module", "is_out_of_memory"]
 
@@ -76,6 +83,8 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; a storage-less tensor counts its own bytes."""
     try:
         st = t.untyped_storage()
+        if st.nbytes() == 0:  # empty tensors share address 0: give each its own key
+            return -id(t), 0
         return st.data_ptr(), st.nbytes()
     except (RuntimeError, NotImplementedError):  # pragma: no cover - sparse/nested tensors
         return id(t), t.numel() * t.element_size()
@@ -119,24 +128,46 @@ class _Clock:
 
 
 class _Workspace:
-    """Allocator peak during an op above max(before, after); CUDA only (0 elsewhere)."""
+    """Peak bytes during an op above max(before, after): the op's temporary workspace.
+
+    CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
+    (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
+    :mod:`lightning_remat.runtime.memory`; it needs glibc's mmap threshold at 64 KiB and sees
+    temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.enabled = self.cuda or _proc_meter_works()
 
     def start(self) -> int:
-        if not self.cuda:
+        if not self.enabled:
             return 0
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        reset_high_water_mark()
+        return resident_bytes()
 
     def stop(self, before: int) -> int:
-        if not self.cuda:
+        if not self.enabled:
             return 0
-        peak = torch.cuda.max_memory_allocated(self.device)
-        after = torch.cuda.memory_allocated(self.device)
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            after = torch.cuda.memory_allocated(self.device)
+        else:
+            peak = high_water_mark()
+            after = resident_bytes()
         return max(0, int(peak - max(before, after)))
+
+
+def _proc_meter_works() -> bool:
+    try:
+        reset_high_water_mark()
+        return high_water_mark() > 0 and resident_bytes() > 0
+    except (OSError, KeyError):
+        return False
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -153,6 +184,7 @@ class _Record:
     saved_input: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     aliases: dict[str, str] = field(default_factory=dict)
     resident_views: set[str] = field(default_factory=set)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
     t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -308,6 +340,7 @@ class _Profiler(fx.Interpreter):
             for t in _tensors(out):
                 own[_storage(t)[0]].append(vid)
             rec.mem[vid] = _output_bytes(out)
+            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
             rec.numel[vid] = sum(t.numel() for t in _tensors(out))
         else:
             for owner, element in self._elements(n, out):
@@ -352,8 +385,18 @@ class _Profiler(fx.Interpreter):
 
     def _measure_alone(self, n: fx.Node, rec: _Record) -> None:
         """Safe mode: forward and backward of one node from detached copies of its inputs."""
-        copies: set[int] = set()
         inplace = _looks_inplace(n, self.module)
+        try:
+            self._measure_copy(n, rec, inplace)
+        except RuntimeError as exc:
+            # An in-place op the name did not reveal: autograd refuses it on a leaf.
+            if inplace or "in-place" not in str(exc):
+                raise
+            self.timer.clear()
+            self._measure_copy(n, rec, inplace=True)
+
+    def _measure_copy(self, n: fx.Node, rec: _Record, inplace: bool) -> None:
+        copies: set[int] = set()
 
         def prepare(a: fx.Node, value: Any) -> Any:
             if a.op in ("placeholder", "get_attr") or a.name not in self.requires_grad:
@@ -501,7 +544,9 @@ def profile_module(
     Returns the :class:`Graph` with measured costs and the meta keys listed in
     :mod:`lightning_remat.graph.ir`, plus ``saved_input_bytes`` ({id: bytes of the step's
     inputs the op saves; they are resident anyway}), ``aliases`` ({id: id of the earlier
-    vertex whose storage this output shares: views and in-place ops}), ``plain_peak_bytes``
+    vertex whose storage this output shares: views and in-place ops}), ``resident_views``
+    ([ids whose output is a view of an input, parameter or buffer: no new memory]),
+    ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
     (peak of one plain step measured with :func:`~lightning_remat.runtime.memory.peak_bytes`,
     from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
     step; in safe mode the sum of the vertex times) and ``safe``.
@@ -511,9 +556,13 @@ def profile_module(
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
+    device = _device_of(module, list(inputs) + list(kwargs.values()))
+    if device.type == "cpu":
+        # The CPU meter needs every large buffer in its own mapping from the first
+        # allocation on, or freed heap memory is reused unseen (DESIGN.md section 6).
+        set_mmap_threshold()
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
-    device = _device_of(module, list(inputs) + list(kwargs.values()))
     input_tensors = _tensors(list(inputs) + list(kwargs.values()))
     batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
     grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
@@ -527,7 +576,9 @@ def profile_module(
         dtype=_dtype_of(module, inputs),
         input_bytes=_output_bytes(input_tensors),
     )
-    with preserved_state(module, [device]), _grads_set_aside(grad_holders):
+    # CUDA events and peak counters work on the current device: make it the module's.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
         fallback_reason = ""
         records: list[_Record] = []
         if not safe:
@@ -572,11 +623,23 @@ def profile_module(
     meta["saved_refs"] = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
     meta["saved_input_bytes"] = {vid: b for vid, b in first.saved_input.items() if b}
     meta["aliases"] = dict(first.aliases)
+    meta["requires_grad"] = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
     meta["resident_views"] = [vid for vid in traced.graph.ids if vid in first.resident_views]
     meta["safe"] = safe
     if safe:
         meta["step_seconds"] = sum(n.t_fwd + n.t_bwd for n in nodes)
     return Graph(nodes, list(traced.graph.edges), meta)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: the module has no trainable parameters on the "
+            "path to its output and no input requires grad, so there is no backward to profile"
+        )
+    loss.backward()
 
 
 def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
@@ -586,13 +649,12 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
     clock = _Clock(device)
 
     def step() -> None:
-        loss_fn(module(*inputs, **kwargs)).backward()
+        _backward(loss_fn(module(*inputs, **kwargs)))
 
     for _ in range(warmup):
         step()
         _clear_grads(grad_holders)
-    gc.collect()
-    peak = peak_bytes(step, device)
+    peak = peak_bytes(step, device)  # collects garbage first
     _clear_grads(grad_holders)
     seconds = []
     for _ in range(repeats):
@@ -613,7 +675,7 @@ def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: tor
     for k in range(warmup + repeats):
         profiler = _Profiler(traced, device, excluded)
         loss = loss_fn(profiler.run(*args))
-        loss.backward()
+        _backward(loss)
         profiler.record.resolve(profiler.clock)
         profiler.timer.clear()
         del loss

@@ -14,7 +14,13 @@ Which fx nodes are vertices is found by running the traced module once on the ex
   to the first of them (:attr:`Traced.charge`);
 - placeholders, ``get_attr`` (parameters, buffers), ``output`` and nodes with non-tensor
   values (``x.size(0)``) are not vertices; edges pass through them, so ``x.size()`` followed
-  by ``view`` still gives the edge from the producer of ``x`` to ``view``.
+  by ``view`` still gives the edge from the producer of ``x`` to ``view``. An edge through
+  which only such non-tensor values flow (``h.view(h.size(0), -1)`` reads ``x`` only for its
+  size when ``x`` is another tensor) is listed in ``meta['shape_edges']``: the consumer
+  does not need the tensor itself alive.
+
+Meta: ``input_consumers``, ``outputs``, ``param_bytes`` (see :mod:`lightning_remat.graph.ir`)
+and ``shape_edges`` (``[[u, v], ...]``).
 
 When fx cannot trace the module (data-dependent control flow, unsupported Python), or its
 graph does not reproduce ``module(x)`` on the example input, the fallback is the chain of
@@ -256,47 +262,58 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
                 vertex.add(n.name)
                 charge[n.name] = n.name
 
-    # resolved[node] = (vertex ids the node's value stands for, whether it reaches an input).
+    # resolved[node] = (vertex ids the node's value depends on, whether it reaches an input,
+    # vertex ids whose tensor data flows into it). Non-tensor nodes (x.size(0)) pass the
+    # dependency on but not the data: an edge carrying only sizes is a "shape edge".
     # A tuple producer stands for the vertex it is charged to, except for that vertex itself,
     # which depends on the producer's own inputs (tuple_inputs).
-    resolved: dict[str, tuple[frozenset[str], bool]] = {}
-    tuple_inputs: dict[str, tuple[frozenset[str], bool]] = {}
+    Resolved = tuple[frozenset[str], bool, frozenset[str]]
+    resolved: dict[str, Resolved] = {}
+    tuple_inputs: dict[str, Resolved] = {}
 
-    def deps_of(n: fx.Node) -> tuple[frozenset[str], bool]:
+    def deps_of(n: fx.Node) -> Resolved:
         ids: set[str] = set()
+        data: set[str] = set()
         touches = False
         for a in _input_nodes(n):
             if a.name in tuple_inputs and charge[a.name] == n.name:
-                got, t = tuple_inputs[a.name]
+                got, t, d = tuple_inputs[a.name]
             else:
-                got, t = resolved[a.name]
+                got, t, d = resolved[a.name]
             ids |= got
+            data |= d
             touches |= t
-        return frozenset(ids), touches
+        return frozenset(ids), touches, frozenset(data)
 
+    none: frozenset[str] = frozenset()
     edges: list[tuple[str, str]] = []
+    shape_edges: list[list[str]] = []
     input_consumers: list[str] = []
     outputs: list[str] = []
     for n in nodes:
         if n.op == "placeholder":
-            resolved[n.name] = (frozenset(), True)
+            resolved[n.name] = (none, True, none)
         elif n.op == "get_attr":
-            resolved[n.name] = (frozenset(), False)
+            resolved[n.name] = (none, False, none)
         elif n.op == "output":
-            ids, _ = deps_of(n)
+            ids, _, _ = deps_of(n)
             outputs = [m.name for m in nodes if m.name in ids]
         elif n.name in vertex:
-            ids, touches = deps_of(n)
+            ids, touches, data = deps_of(n)
             for u in sorted(ids, key=order.__getitem__):
                 edges.append((u, n.name))
+                if u not in data:
+                    shape_edges.append([u, n.name])
             if touches:
                 input_consumers.append(n.name)
-            resolved[n.name] = (frozenset({n.name}), False)
+            resolved[n.name] = (frozenset({n.name}), False, frozenset({n.name}))
         elif n.name in charge:
             tuple_inputs[n.name] = deps_of(n)
-            resolved[n.name] = (frozenset({charge[n.name]}), False)
+            owner = frozenset({charge[n.name]})
+            resolved[n.name] = (owner, False, owner)
         else:
-            resolved[n.name] = deps_of(n)
+            ids, touches, _ = deps_of(n)
+            resolved[n.name] = (ids, touches, none)
 
     # Parameters: a call_module owns its module's parameters; a get_attr parameter belongs to
     # the first op using it. Each parameter is counted once (weight tying, modules called twice).
@@ -324,7 +341,8 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
                     add_params(charge[n.name], iter([value]))
 
     graph_nodes = [Node(id=n.name, op=_op_name(gm, n)) for n in nodes if n.name in vertex]
-    meta = {"input_consumers": input_consumers, "outputs": outputs, "param_bytes": param_bytes}
+    meta = {"input_consumers": input_consumers, "outputs": outputs, "param_bytes": param_bytes,
+            "shape_edges": shape_edges}
     return Graph(graph_nodes, edges, meta), charge
 
 
@@ -342,9 +360,7 @@ def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
     defaults: dict[str, Any] = {}
     for p in sig.parameters.values():
         if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-            raise TraceError(
-                f"{type(module).__name__}.forward takes *args/**kwargs, which torch.fx cannot trace"
-            )
+            raise ValueError(f"{type(module).__name__}.forward takes *args/**kwargs")
         names.append(p.name)
         if p.default is not inspect.Parameter.empty:
             defaults[p.name] = p.default
@@ -423,7 +439,8 @@ def _trace_chain(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
                 total += p.numel() * p.element_size()
         if total:
             param_bytes[name] = total
-    meta = {"input_consumers": [children[0][0]], "outputs": [children[-1][0]], "param_bytes": param_bytes}
+    meta = {"input_consumers": [children[0][0]], "outputs": [children[-1][0]],
+            "param_bytes": param_bytes, "shape_edges": []}
     return Traced(gm=None, graph=Graph(nodes, edges, meta), kind="chain", children=children,
                   charge=charge, _runner=runner)
 
