@@ -157,21 +157,24 @@ class Flagged(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(8, 32)
-        self.b = nn.Linear(32, 32)
-        self.c = nn.Linear(32, 4)
+        self.a = nn.Linear(8, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 64)
+        self.d = nn.Linear(64, 4)
 
     def forward(self, x: torch.Tensor, use_relu: bool = True) -> torch.Tensor:
         h = self.a(x)
         h = torch.relu(h) if use_relu else torch.tanh(h)
-        return self.c(torch.sigmoid(self.b(h)))
+        h = torch.sigmoid(self.b(h)) * 2
+        h = torch.tanh(self.c(h)) + 1
+        return self.d(h)
 
 
 def test_non_tensor_flag_is_specialised_and_replanned() -> None:
     torch.manual_seed(0)
     model = Flagged()
     plain = copy.deepcopy(model)
-    x = torch.randn(64, 8)
+    x = torch.randn(128, 8)
     budget, _ = reachable_bytes(model, x)
     remat_model = remat(model, x, memory_budget=budget, solver="test-segments")
     assert remat_model.plan.count("recompute") >= 1
@@ -182,7 +185,7 @@ def test_non_tensor_flag_is_specialised_and_replanned() -> None:
     with pytest.warns(UserWarning, match="re-planning"):
         remat_model(x, False)
     assert len(remat_model.variants) == 2
-    batches = [((torch.randn(64, 8),), {"use_relu": step % 2 == 0}) for step in range(4)]
+    batches = [((torch.randn(128, 8),), {"use_relu": step % 2 == 0}) for step in range(4)]
     train_side_by_side(model, remat_model, plain, batches)
 
 

@@ -7,6 +7,11 @@ objects are the original's: a checkpoint saved from either form loads into the o
 code is generated from the fx graph with ``self`` bound to the RematModule, so it reaches
 the very same submodules (no copies, nothing registered twice).
 
+Placement: a vertex runs in its plan stage; a node the trace charges to a vertex (a tuple
+producer such as ``chunk``) runs with that vertex; every other node (``size()``, asserts)
+runs as early as its inputs allow, so what crosses a boundary is a small value rather than
+the tensor it was read from; ``get_attr`` nodes are repeated in each stage that reads them.
+
 The traps of section 5 and how each is handled here:
 
 - in-place ops at stage boundaries: an in-place op whose operand comes from another stage
