@@ -742,11 +742,12 @@ def measured_bandwidth(device: torch.device) -> float:
     return _BANDWIDTH_CACHE[key]
 
 
-def _device_budget(device: torch.device) -> int | None:
-    """No budget given: the device's free memory on CUDA, no limit elsewhere."""
+def _device_budget(device: torch.device, margin: float = 0.1) -> int | None:
+    """No budget given: the device's free memory less a safety margin (for the allocator's
+    fragmentation and what other libraries take) on CUDA, no limit elsewhere."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(free * (1 - margin))
     return None
 
 

@@ -4,9 +4,13 @@
 2. if its plan does not fit: approximate DP, memory-centric at the budget, and then the
    memory-centric strategy at the smallest budget the DP can meet (Kusumoto section 4.4: the
    coarse partition gives liveness the most room, so its real peak is the lowest);
-3. if still nothing fits: ``lightning_remat.solvers.offload.solve_dynprog`` (Beaumont et al.)
+3. if still nothing fits: the memory-optimal recomputation solvers (Feng & Huang's
+   re-forwarding, Hong et al.'s Algorithm 6, Chen's budgeted greedy), whose plans use less
+   memory than the DP's liveness-free formula lets it find; the fitting one with the least
+   extra time is taken;
+4. if still nothing fits: ``lightning_remat.solvers.offload.solve_dynprog`` (Beaumont et al.)
    when that module exists (imported lazily; without it the step is skipped with a note);
-4. otherwise the best infeasible plan (the least predicted peak among those tried).
+5. otherwise the best infeasible plan (the least predicted peak among those tried).
 
 "Fits" means the simulator's predicted peak (``plan.predicted_peak_bytes``, which models
 PyTorch freeing dead tensors) is within the budget: that is what the runtime will see, and it
@@ -61,7 +65,8 @@ def _why(plan: Plan, budget: int) -> str:
 def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
     """TC, then MC, then DynProg offloading, then the best infeasible plan (module doc).
     ``options``: ``max_lower_sets`` and ``time_steps`` reach the Kusumoto solvers;
-    ``offload_options`` (a dict) reaches the offloading solver."""
+    ``offload_options`` (a dict) reaches the offloading solver; ``allow_offload=False``
+    stops the chain before offloading."""
     kusumoto_options = _kusumoto_options(options)
     if budget_bytes is None:
         return _label(solve_approx_tc(graph, None, **kusumoto_options), "auto:kusumoto-tc",
@@ -72,6 +77,7 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
 
     tc = solve_approx_tc(graph, budget, **kusumoto_options)
     if _fits(tc, budget):
+        tc = _relaxed_tc(graph, budget, tc, kusumoto_options)
         return _label(tc, "auto:kusumoto-tc", notes, True)
     notes.append(f"kusumoto-tc failed: {_why(tc, budget)}")
     tried.append(tc)
@@ -92,19 +98,62 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
                      f"{least.predicted_peak_bytes} bytes exceeds the budget")
         tried.append(least)
 
-    dynprog = _dynprog()
-    if dynprog is None:
+    recomputed = [p for p in _memory_optimal_plans(graph, budget) if _fits(p, budget)]
+    if recomputed:
+        best = min(recomputed, key=lambda p: (p.predicted_extra_seconds, p.predicted_peak_bytes))
+        notes.append(f"{best.solver} fits: its memory-optimal plan is within the budget")
+        return _label(best, f"auto:{best.solver}", notes, True)
+    notes.append(f"{', '.join(_MEMORY_OPTIMAL)} failed: their least-memory plans exceed the budget")
+
+    dynprog = _dynprog() if options.get("allow_offload", True) else None
+    if not options.get("allow_offload", True):
+        notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
+    elif dynprog is None:
         notes.append("dynprog skipped: lightning_remat.solvers.offload.solve_dynprog is not available")
     else:
-        offloaded = dynprog(graph, budget, **dict(options.get("offload_options", {})))
-        if offloaded.feasible:
-            return _label(offloaded, "auto:dynprog", notes, True)
-        notes.append("dynprog failed: offloading does not meet the budget either")
-        tried.append(offloaded)
+        try:
+            offloaded = dynprog(graph, budget, **dict(options.get("offload_options", {})))
+        except ValueError as exc:  # e.g. no measured bandwidth in the graph
+            notes.append(f"dynprog skipped: {exc}")
+        else:
+            if offloaded.feasible:
+                return _label(offloaded, "auto:dynprog", notes, True)
+            notes.append("dynprog failed: offloading does not meet the budget either")
+            tried.append(offloaded)
 
     best = min(tried, key=lambda p: (p.predicted_peak_bytes, p.predicted_extra_seconds))
     notes.append(f"nothing fits; returning the {best.solver} plan with the least predicted peak")
     return _label(best, f"auto:{best.solver}", notes, False)
+
+
+_MEMORY_OPTIMAL = ("feng", "hong-linear", "chen-greedy")
+
+
+def _memory_optimal_plans(graph: Graph, budget: int) -> list[Plan]:
+    from lightning_remat.solvers import get_solver
+
+    return [get_solver(name)(graph, budget) for name in _MEMORY_OPTIMAL]
+
+
+def _relaxed_tc(graph: Graph, budget: int, plan: Plan, kusumoto_options: dict[str, Any],
+                steps: int = 8) -> Plan:
+    """The DP's peak formula ignores liveness, so it over-states the real peak and the TC
+    plan recomputes more than the budget needs. Bisect the budget handed to the DP upward
+    while the simulated peak of its plan still fits, keeping the fastest fitting plan."""
+    lo, hi = budget, 2 * max(budget, int(graph.total("mem")) + int(graph.total("saved")))
+    best = plan
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        candidate = solve_approx_tc(graph, mid, **kusumoto_options)
+        if candidate.feasible and _fits(candidate, budget):
+            lo = mid
+            if candidate.predicted_extra_seconds < best.predicted_extra_seconds:
+                best = candidate
+        else:
+            hi = mid
+    if best is not plan:
+        best.notes.append(f"the DP was given {lo} bytes: its plan's simulated peak still fits {budget}")
+    return best
 
 
 def _label(plan: Plan, name: str, notes: list[str], fits: bool) -> Plan:
@@ -123,10 +172,14 @@ def min_budget_solve_auto(graph: Graph, **options: Any) -> int:
     least_dp = min_budget_solve_approx_tc(graph, **kusumoto_options)
     memory_centric = solve_approx_mc(graph, None, **kusumoto_options).predicted_peak_bytes
     candidates = {solve_approx_tc(graph, least_dp, **kusumoto_options).predicted_peak_bytes}
+    candidates.update(p.predicted_peak_bytes for p in _memory_optimal_plans(graph, least_dp))
     if _dynprog() is not None:
         from lightning_remat.solvers import min_budget
 
-        candidates.add(min_budget(graph, "dynprog", **dict(options.get("offload_options", {}))))
+        try:
+            candidates.add(min_budget(graph, "dynprog", **dict(options.get("offload_options", {}))))
+        except ValueError:
+            pass  # offloading cannot be planned without a bandwidth
     for candidate in sorted(c for c in candidates if c < memory_centric):
         if solve_auto(graph, int(candidate), **options).feasible:
             return int(candidate)
