@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,17 +23,16 @@ from lightning_remat.runtime.memory import peak_bytes
 
 
 class SmallCNN(pl.LightningModule):
-    def __init__(self, channels: int = 24) -> None:
+    """Twelve conv blocks with BatchNorm, in-place ReLU and dropout: the traps of recomputation."""
+
+    def __init__(self, channels: int = 16, depth: int = 12) -> None:
         super().__init__()
         c = channels
-        self.features = nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-            nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True),
-            nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU(inplace=True),
-            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU(inplace=True),
-            nn.Dropout(0.1),
-        )
-        self.head = nn.Linear(2 * c, 10)
+        layers: list[nn.Module] = [nn.Conv2d(3, c, 3, padding=1)]
+        for _ in range(depth):
+            layers += [nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
+        self.features = nn.Sequential(*layers, nn.Dropout(0.1))
+        self.head = nn.Linear(c, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))
@@ -49,16 +49,16 @@ class SmallCNN(pl.LightningModule):
 
 def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(128, 3, 64, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=32)
+    x, y = torch.randn(64, 3, 48, 48, generator=g), torch.randint(0, 10, (64,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=16)
 
 
-def train(strategy, root: Path) -> SmallCNN:
+def train(strategy, root: Path, logger=False) -> SmallCNN:
     pl.seed_everything(0, workers=True)
     model = SmallCNN()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2,
-                         default_root_dir=str(root), logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, deterministic=True)
+                         default_root_dir=str(root), logger=logger, enable_checkpointing=False,
+                         enable_model_summary=False, deterministic=True, log_every_n_steps=1)
     trainer.fit(model, data())
     return model
 
@@ -69,7 +69,9 @@ def main() -> int:
     print(f"lightning-remat {lightning_remat.__version__}, torch {torch.__version__}, CPU")
     plain = train("auto", root / "plain")
     strategy = lightning_remat.strategy.RematStrategy(memory_budget="50%", cache_dir=root / "cache")
-    remat = train(strategy, root / "remat")
+    # With a TensorBoard logger the strategy adds the memory dashboards by itself.
+    tensorboard = TensorBoardLogger(str(root), name="tensorboard")
+    remat = train(strategy, root / "remat", logger=tensorboard)
 
     (entry,) = strategy.planner.planned.values()
     x = next(iter(data()))[0]
@@ -84,6 +86,8 @@ def main() -> int:
           f"(budget {format_bytes(entry.budget_bytes)}, predicted {format_bytes(entry.plan.predicted_peak_bytes)})")
     print(f"memory saved                     : {100 * (1 - remat_peak / plain_peak):.0f}%")
     print(f"weights equal to plain training  : {same}")
+    print(f"TensorBoard logs                 : {tensorboard.log_dir}  "
+          f"(tensorboard --logdir {tensorboard.log_dir}, or lightning-remat report {tensorboard.log_dir})")
     return 0 if same else 1
 
 

@@ -100,8 +100,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     out = write_png(report, args.out or report.event_dir / "remat_timeline.png")
     print(report.plan_text or "(no plan table logged)")
     if report.measured:
-        print(f"\nmeasured peak {format_bytes(max(report.measured))}, "
-              f"predicted peak {format_bytes(max(report.predicted))}")
+        print(f"\ntimeline maximum: measured {format_bytes(max(report.measured))}, "
+              f"predicted {format_bytes(max(report.predicted))}")
     print(f"timeline written to {out}")
     return 0
 

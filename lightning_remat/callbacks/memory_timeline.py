@@ -39,7 +39,7 @@ def plan_markdown(entry: Any) -> str:
         f"**budget** {format_bytes(entry.budget_bytes) if entry.budget_bytes else 'none'} · "
         f"**predicted extra** {plan.predicted_extra_seconds * 1e3:.2f} ms",
         "",
-        "| stage | action | vertices | first .. last | bytes stored | extra ms |",
+        "| stage | action | vertices | first .. last | bytes stored | forward ms re-run |",
         "|---:|:---|---:|:---|---:|---:|",
     ]
     for k, stage in enumerate(plan.stages):

@@ -159,7 +159,14 @@ class _Workspace:
         else:
             peak = high_water_mark()
             after = resident_bytes()
+            # Below the mmap threshold a temporary comes from the heap, where the reading is
+            # page-fault noise rather than the op's workspace: the meter's resolution.
+            if peak - max(before, after) < _CPU_RESOLUTION:
+                return 0
         return max(0, int(peak - max(before, after)))
+
+
+_CPU_RESOLUTION = 64 * 1024
 
 
 def _proc_meter_works() -> bool:
