@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -410,6 +411,10 @@ class RematBatchSizeFinder(Callback):
         bar = trainer.progress_bar_callback
         if bar is not None:
             bar.disable()
+        # The CPU meter calls gc.collect() around every step; with the objects alive now
+        # moved out of the collector's reach it takes milliseconds instead of half a second.
+        gc.collect()
+        gc.freeze()
         try:
             sample_shape = ""
             with contextlib.suppress(Exception):  # the name is only a label; never fail on it
@@ -428,6 +433,7 @@ class RematBatchSizeFinder(Callback):
                                  settings["solver"], "remat" if settings["solver"] != PLAIN else PLAIN,
                                  settings, init_val, sample_shape)
         finally:
+            gc.unfreeze()
             if bar is not None:
                 bar.enable()
             lightning_setattr(pl_module, self.batch_arg_name, original)
