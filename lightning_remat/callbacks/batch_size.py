@@ -32,7 +32,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks.callback import Callback
 from pytorch_lightning.utilities.exceptions import MisconfigurationException, _TunerExitException
-from pytorch_lightning.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from pytorch_lightning.utilities.parsing import (
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
