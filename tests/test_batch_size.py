@@ -351,6 +351,26 @@ def test_plain_maximum_matches_lightning_binsearch_on_a_cpu_budget(tmp_path):
     assert len(ours.trials) <= len(lightning_runs), ([r.batch_size for r in ours.trials], lightning_runs)
 
 
+def tiny_net() -> torch.nn.Module:
+    """A factory for the CLI test (``tests.test_batch_size:tiny_net``)."""
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Flatten())
+
+
+def test_cli_tune_prints_the_report(tmp_path, capsys):
+    from lightning_remat.cli import main
+
+    code = main(["tune", "tests.test_batch_size:tiny_net", "--input-shape", "3,16,16", "--budget", "1MiB",
+                 "--solver", "plain", "--init-val", "2", "--max-val", "256", "--steps-per-trial", "1",
+                 "--root-dir", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "largest fits" in out and "plain" in out
+    assert (tmp_path / "lightning_remat" / "batch_size.db").exists()
+    assert main(["tune", "tests.test_batch_size:tiny_net", "--root-dir", str(tmp_path)]) == 2  # no budget on CPU
+    assert "--budget" in capsys.readouterr().err
+
+
 # ---- inputs --------------------------------------------------------------------------------------
 def test_bad_arguments_get_clear_errors():
     with pytest.raises(ValueError, match="absolute budget"):
