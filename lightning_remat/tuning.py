@@ -86,7 +86,7 @@ class TrialRecord:
 
     @classmethod
     def from_frozen(cls, trial: FrozenTrial) -> TrialRecord:
-        attrs = trial.user_attrs
+        attrs = dict(trial.user_attrs.get("result", {}), feasible=trial.user_attrs.get("feasible"))
         return cls(
             number=trial.number,
             batch_size=int(trial.params[PARAM]),
@@ -318,14 +318,15 @@ def run_search(
         result = run_trial_safely(trial_fn, batch_size)
         feasible = bool(result.feasible)
         attrs = {
-            "feasible": feasible, "peak_bytes": _int_or_none(result.peak_bytes),
+            "peak_bytes": _int_or_none(result.peak_bytes),
             "seconds": result.seconds, "reason": result.reason,
             "predicted_extra_seconds": result.predicted_extra_seconds,
             "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
             "solver": result.solver,
         }
-        for key, value in attrs.items():
-            trial.set_user_attr(key, value)
+        # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
+        trial.set_user_attr("result", attrs)
+        trial.set_user_attr("feasible", feasible)
         _set_constraint(trial, 0.0 if feasible else 1.0)
         throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
         return float(batch_size), float(throughput)

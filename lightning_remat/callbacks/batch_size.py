@@ -161,7 +161,8 @@ class LightningTrial:
 
     def __init__(
         self, trainer: pl.Trainer, model: pl.LightningModule, *, batch_arg_name: str,
-        steps_per_trial: int, solver: str, budget_bytes: int | None, target: str | None = None,
+        steps_per_trial: int, solver: str, budget_bytes: int | None, planner_budget: int | str | None = None,
+        target: str | None = None,
         profile_repeats: int = 3, safe_profile: bool = False, cache_dir: str | Path | None = None,
         solver_options: dict[str, Any] | None = None,
     ) -> None:
@@ -170,6 +171,7 @@ class LightningTrial:
         self.steps_per_trial = steps_per_trial
         self.solver = solver
         self.budget_bytes = budget_bytes
+        self.planner_budget = planner_budget if planner_budget is not None else budget_bytes
         self.target = model.get_submodule(target) if target else model
         self.profile_repeats, self.safe_profile = profile_repeats, safe_profile
         self.cache_dir = Path(cache_dir) if cache_dir else Path(trainer.default_root_dir) / "lightning_remat"
@@ -231,7 +233,7 @@ class LightningTrial:
 
                 args, kwargs = self._capture_call(batch)
                 planner = ShapePlanner(
-                    self.target, self.budget_bytes, self.solver,
+                    self.target, self.planner_budget, self.solver,
                     cache=PlanCache(self.cache_dir / "plans.sqlite"),
                     profile_repeats=self.profile_repeats, safe_profile=self.safe_profile,
                     solver_options=self.solver_options,
@@ -382,7 +384,10 @@ class RematBatchSizeFinder(Callback):
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
                 "raises out-of-memory there, so only the budget can bound the batch size"
             )
-        settings.update(solver=solver, budget_bytes=budget_bytes, device=device)
+        # The planner gets the budget as written (so its plan-cache key matches the
+        # strategy's and training at the found size reuses the trial's plan), or bytes.
+        planner_budget = budget if budget is not None else budget_bytes
+        settings.update(solver=solver, budget_bytes=budget_bytes, device=device, planner_budget=planner_budget)
         return settings
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
@@ -402,7 +407,8 @@ class RematBatchSizeFinder(Callback):
         """The trial function for one solver (override to measure differently)."""
         return LightningTrial(
             trainer, pl_module, batch_arg_name=self.batch_arg_name, steps_per_trial=self.steps_per_trial,
-            solver=solver, budget_bytes=settings["budget_bytes"], target=settings["target"],
+            solver=solver, budget_bytes=settings["budget_bytes"], planner_budget=settings["planner_budget"],
+            target=settings["target"],
             profile_repeats=settings["profile_repeats"], safe_profile=settings["safe_profile"],
             cache_dir=settings["cache_dir"],
             solver_options=settings["solver_options"] if solver != PLAIN else {},
