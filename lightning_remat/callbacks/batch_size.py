@@ -457,7 +457,8 @@ class RematBatchSizeFinder(Callback):
                            f"{remat.smallest_infeasible}; batch size left at {original}")
         else:
             lightning_setattr(pl_module, self.batch_arg_name, remat.largest_feasible)
-        rank_zero_info(self.report.table())
+        if not self._early_exit:  # find_max_batch_size returns the report to its caller instead
+            rank_zero_info(self.report.table())
         # The fit loop builds its dataloaders after this hook, with the new size.
         trainer.fit_loop._combined_loader = None
         if self._early_exit:
