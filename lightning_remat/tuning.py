@@ -279,9 +279,10 @@ def run_trial_safely(trial_fn: TrialFn, batch_size: int) -> TrialResult:
         if not is_oom(exc):
             raise
         reason = f"out of memory: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
-        del exc  # drop the traceback's frames (and the tensors they hold) before freeing
-        free_device_memory()
-        return TrialResult(False, reason=reason)
+    # Outside the except block: the exception and its traceback's frames (which hold the
+    # failed step's tensors) are gone, so their memory can really be released.
+    free_device_memory()
+    return TrialResult(False, reason=reason)
 
 
 def run_search(
