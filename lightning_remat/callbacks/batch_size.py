@@ -297,6 +297,15 @@ class RematBatchSizeFinder(Callback):
         study_name: prefix of the study names (default: model class, device, budget, solver,
             input shape).
         progress_bar: show a tqdm bar per search.
+
+    After the search, ``report`` holds the :class:`~lightning_remat.tuning.BatchSizeReport`
+    (``print(finder.report)`` shows the table) and ``optimal_batch_size`` the size written.
+
+    Example::
+
+        finder = RematBatchSizeFinder(init_val=8, steps_per_trial=2)
+        trainer = Trainer(strategy=RematStrategy(memory_budget="20GiB"), callbacks=[finder])
+        trainer.fit(model)  # searches, sets model.batch_size, then trains with it
     """
 
     def __init__(
