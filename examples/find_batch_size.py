@@ -74,7 +74,8 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, default_root_dir=root, logger=False,
         enable_checkpointing=False, enable_model_summary=False,
-        strategy=RematStrategy(memory_budget=args.budget, solver=args.solver, profile_steps=1),
+        # offload=False: on a CPU there is no device memory to offload from.
+        strategy=RematStrategy(memory_budget=args.budget, solver=args.solver, profile_steps=1, offload=False),
     )
     model = ResidualCNN()
     started = time.perf_counter()

@@ -382,10 +382,11 @@ class RematBatchSizeFinder(Callback):
             if (solver == "auto") and strategy.solver == "auto":
                 settings["solver_options"] = strategy._solver_options()
         solver = solver or "auto"
-        if solver == "auto" and not settings["solver_options"]:
-            settings["solver_options"] = {"allow_offload": True}
-        budget_bytes = _absolute_budget(budget)
         device = strategy.root_device
+        if solver == "auto" and not settings["solver_options"]:
+            # Offloading to host memory only saves device memory when there is a device.
+            settings["solver_options"] = {"allow_offload": device.type == "cuda"}
+        budget_bytes = _absolute_budget(budget)
         if budget_bytes is None:
             budget_bytes = default_budget(device)
         if budget_bytes is None:
