@@ -375,7 +375,7 @@ def test_remat_search_uses_the_strategy_budget_and_fits_at_least_plain(tmp_path)
     before = _state(model)
     trainer = small_trainer(tmp_path, max_epochs=1,
                             strategy=RematStrategy(memory_budget=budget, solver="kusumoto-tc", profile_steps=1,
-                                                           offload=False))
+                                                   offload=False))
     report = find_max_batch_size(trainer, model, init_val=2, max_val=256, steps_per_trial=1, progress_bar=False)
     assert report.budget_bytes == budget and report.remat.solver == "kusumoto-tc"
     plain, remat = report.plain, report.remat
