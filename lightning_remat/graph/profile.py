@@ -1,0 +1,696 @@
+"""Measure every vertex's costs on the module's own device (DESIGN.md sections 3 and 6).
+
+``profile_module`` runs real training steps (forward, loss, backward) node by node through a
+``torch.fx.Interpreter`` and fills, for each vertex of the traced graph:
+
+- ``mem``: bytes of the output (per storage, at most the storage's size);
+- ``saved``: bytes autograd keeps for the op's backward, seen by
+  ``torch.autograd.graph.saved_tensors_hooks`` while the op runs, each storage counted once
+  (by ``untyped_storage().data_ptr()``), parameters and buffers excluded. ReLU keeps its
+  output, Linear its input, BatchNorm its input plus the batch mean and inverse std;
+- ``t_fwd``/``t_bwd``: median over ``repeats`` steps after ``warmup`` steps; the forward is
+  timed around the op, the backward by pre/post hooks on every autograd node the op created
+  (``perf_counter`` on CPU, CUDA events on GPU);
+- ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
+  and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
+  the allocator's peak counter, on CPU the resident high-water mark of DESIGN.md section 6
+  (temporaries under 64 KiB are not seen; 0 where /proc is missing).
+
+Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
+never holds all activations: the forward runs under ``no_grad`` (values freed after their
+last use, as in inference) and each op is measured on its own from detached copies of its
+inputs, forward and backward, then dropped. It gives the same ``mem`` and ``saved``.
+
+Profiling does not change training: buffers (BatchNorm running statistics), training flags,
+the RNG state and existing ``.grad`` tensors are restored afterwards; parameters are only read
+(no optimizer step runs).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.trace import (
+    Traced,
+    _is_getitem,
+    _ValueRecorder,
+    as_tuple,
+    default_loss,
+    preserved_state,
+    trace_module,
+)
+from lightning_remat.runtime.memory import (
+    high_water_mark,
+    peak_bytes,
+    reset_high_water_mark,
+    resident_bytes,
+    set_mmap_threshold,
+)
+
+__all__ = ["profile_module", "is_out_of_memory"]
+
+LossFn = Callable[[Any], torch.Tensor]
+_INPUT = "<input>"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an exception is the device running out of memory."""
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(oom_type, type) and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of a tensor's storage; a storage-less tensor counts its own bytes."""
+    try:
+        st = t.untyped_storage()
+        if st.nbytes() == 0:  # empty tensors share address 0: give each its own key
+            return -id(t), 0
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - sparse/nested tensors
+        return id(t), t.numel() * t.element_size()
+
+
+def _output_bytes(value: Any) -> int:
+    """Bytes of a value's tensors, each storage counted once and at most its own size."""
+    per_storage: dict[int, list[int]] = {}
+    for t in _tensors(value):
+        ptr, size = _storage(t)
+        entry = per_storage.setdefault(ptr, [size, 0])
+        entry[1] += t.numel() * t.element_size()
+    return sum(min(size, views) for size, views in per_storage.values())
+
+
+# ---- clocks ---------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Timestamps resolved after a synchronise: perf_counter on CPU, CUDA events on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+class _Workspace:
+    """Peak bytes during an op above max(before, after): the op's temporary workspace.
+
+    CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
+    (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
+    :mod:`lightning_remat.runtime.memory`; it needs glibc's mmap threshold at 64 KiB and sees
+    temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.enabled = self.cuda or _proc_meter_works()
+
+    def start(self) -> int:
+        if not self.enabled:
+            return 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        reset_high_water_mark()
+        return resident_bytes()
+
+    def stop(self, before: int) -> int:
+        if not self.enabled:
+            return 0
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            after = torch.cuda.memory_allocated(self.device)
+        else:
+            peak = high_water_mark()
+            after = resident_bytes()
+        return max(0, int(peak - max(before, after)))
+
+
+def _proc_meter_works() -> bool:
+    try:
+        reset_high_water_mark()
+        return high_water_mark() > 0 and resident_bytes() > 0
+    except (OSError, KeyError):
+        return False
+
+
+# ---- what one measured step records ------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    """Costs seen in one step, keyed by vertex id."""
+
+    mem: dict[str, int] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+    saved_ptrs: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    saved_refs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    saved_input: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    aliases: dict[str, str] = field(default_factory=dict)
+    resident_views: set[str] = field(default_factory=set)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ws_bwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    pending: list[tuple[str, str, Any, Any]] = field(default_factory=list)
+    """(vertex, 'fwd'|'bwd', start mark, end mark) to resolve after a synchronise."""
+
+    def root(self, vid: str) -> str:
+        """The vertex that owns the storage of ``vid``'s output."""
+        return self.aliases.get(vid, vid)
+
+    def resolve(self, clock: _Clock) -> None:
+        clock.sync()
+        for vid, phase, start, end in self.pending:
+            if start is None or end is None:
+                continue
+            target = self.t_fwd if phase == "fwd" else self.t_bwd
+            target[vid] += clock.seconds(start, end)
+        self.pending.clear()
+
+
+class _BackwardTimer:
+    """Hooks on the autograd nodes an op created, charging their time and workspace to it."""
+
+    def __init__(self, clock: _Clock, workspace: _Workspace) -> None:
+        self.clock = clock
+        self.workspace = workspace
+        self.claimed: set[Any] = set()
+        self.skip_leaves: set[int] = set()
+
+    def attach(self, vid: str, outputs: Iterable[torch.Tensor], record: _Record) -> None:
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in self.claimed:
+                continue
+            self.claimed.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None and id(variable) in self.skip_leaves:
+                continue  # gradient of a detached copy made by the safe mode
+            self._hook(vid, fn, record)
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+
+    def _hook(self, vid: str, fn: Any, record: _Record) -> None:
+        state: dict[str, Any] = {}
+
+        def pre(grad_outputs: Any) -> None:
+            state["ws"] = self.workspace.start()
+            state["start"] = self.clock.mark()
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            end = self.clock.mark()
+            record.ws_bwd[vid] = max(record.ws_bwd[vid], self.workspace.stop(state.get("ws", 0)))
+            record.pending.append((vid, "bwd", state.get("start"), end))
+
+        try:
+            fn.register_prehook(pre)
+            fn.register_hook(post)
+        except (RuntimeError, AttributeError):  # pragma: no cover - nodes without hooks
+            pass
+
+    def clear(self) -> None:
+        self.claimed.clear()
+        self.skip_leaves.clear()
+
+
+# ---- node-by-node interpreter ---------------------------------------------------------------------
+
+
+class _Profiler(fx.Interpreter):
+    """Runs the traced forward node by node, measuring each compute node (DESIGN.md sec. 3).
+
+    ``safe=False``: one real step; ``run`` returns the output for the loss.
+    ``safe=True``: the forward runs under ``no_grad``; each compute node is first measured
+    ``rounds`` times on detached inputs with grad enabled, its own backward included.
+    """
+
+    def __init__(self, traced: Traced, device: torch.device, excluded_ptrs: set[int],
+                 safe: bool = False, rounds: int = 1) -> None:
+        super().__init__(traced.runner)
+        self.traced = traced
+        self.charge = traced.charge
+        ids = set(traced.graph.ids)
+        self.vertex_of = {
+            name: vid for name, vid in traced.charge.items()
+            if vid in ids and (traced.kind == "chain" or name == vid)
+        }
+        self.clock = _Clock(device)
+        self.workspace = _Workspace(device)
+        self.timer = _BackwardTimer(self.clock, self.workspace)
+        self.excluded = excluded_ptrs
+        self.safe = safe
+        self.records = [_Record() for _ in range(rounds)]
+        self.requires_grad: dict[str, Any] = {}
+        """Safe mode: per node, the pytree of requires_grad flags of its grad-enabled output."""
+
+    @property
+    def record(self) -> _Record:
+        return self.records[0]
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name not in self.charge:
+            return super().run_node(n)
+        if not self.safe:
+            return self._measure(n, self.records[0], prepare=None)
+        for rec in self.records:
+            self._measure_alone(n, rec)
+        with torch.no_grad():
+            return super().run_node(n)
+
+    # -- one op ----------------------------------------------------------------------------
+    def _label(self, a: fx.Node) -> str | None:
+        if a.name in self.vertex_of:
+            return self.vertex_of[a.name]
+        if a.op == "placeholder":
+            return _INPUT
+        return None
+
+    def _measure(self, n: fx.Node, rec: _Record, prepare: Callable[[fx.Node, Any], Any] | None) -> Any:
+        vid = self.charge[n.name]
+        labels: dict[int, str] = {}
+
+        def fetch(a: fx.Node) -> Any:
+            value = self.env[a]
+            if prepare is not None:
+                value = prepare(a, value)
+            label = self._label(a)
+            if label is not None:
+                for t in _tensors(value):
+                    labels.setdefault(_storage(t)[0], label)
+            return value
+
+        args = fx.node.map_arg(n.args, fetch)
+        kwargs = fx.node.map_arg(n.kwargs, fetch)
+        packed: list[tuple[int, int]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(_storage(t))
+            return t
+
+        ws_before = self.workspace.start()
+        start = self.clock.mark()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        end = self.clock.mark()
+        rec.ws_fwd[vid] = max(rec.ws_fwd[vid], self.workspace.stop(ws_before))
+        rec.pending.append((vid, "fwd", start, end))
+
+        # Which vertex each output storage belongs to: this node's own, or for a tuple
+        # producer the getitem vertex that picks the element.
+        own: dict[int, list[str]] = defaultdict(list)
+        if n.name in self.vertex_of:
+            for t in _tensors(out):
+                own[_storage(t)[0]].append(vid)
+            rec.mem[vid] = _output_bytes(out)
+            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
+            rec.numel[vid] = sum(t.numel() for t in _tensors(out))
+        else:
+            for owner, element in self._elements(n, out):
+                for t in _tensors(element):
+                    own[_storage(t)[0]].append(owner)
+        # Views and in-place results share an earlier vertex's storage: record the vertex
+        # that owns it (the alias root), or that it is the storage of an input/parameter.
+        for ptr, owners in own.items():
+            source = labels.get(ptr)
+            for k, owner in enumerate(dict.fromkeys(owners)):
+                if ptr in self.excluded or source == _INPUT:
+                    rec.resident_views.add(owner)
+                elif source is not None and source != owner:
+                    rec.aliases[owner] = rec.root(source)
+                elif k > 0:
+                    rec.aliases[owner] = rec.root(owners[0])
+
+        saved_here = rec.saved_ptrs[vid]
+        for ptr, size in packed:
+            if ptr in self.excluded or ptr in saved_here:
+                continue
+            saved_here[ptr] = size
+            ref = own[ptr][0] if own.get(ptr) else labels.get(ptr)
+            if ref == _INPUT:
+                rec.saved_input[vid] += size
+            elif ref is not None and rec.root(ref) not in rec.saved_refs[vid]:
+                rec.saved_refs[vid].append(rec.root(ref))
+        self.timer.attach(vid, _tensors(out), rec)
+        return out
+
+    def _elements(self, n: fx.Node, value: Any) -> Iterator[tuple[str, Any]]:
+        """(vertex id, element) for the getitem vertices under a tuple producer, nested
+        tuples (an LSTM's ``(out, (h, c))``) included."""
+        for user in n.users:
+            if not _is_getitem(user):
+                continue
+            element = value[user.args[1]]
+            if user.name in self.vertex_of:
+                yield self.vertex_of[user.name], element
+            elif isinstance(element, (tuple, list)):
+                yield from self._elements(user, element)
+
+    def _measure_alone(self, n: fx.Node, rec: _Record) -> None:
+        """Safe mode: forward and backward of one node from detached copies of its inputs."""
+        inplace = _looks_inplace(n, self.module)
+        try:
+            self._measure_copy(n, rec, inplace)
+        except RuntimeError as exc:
+            # An in-place op the name did not reveal: autograd refuses it on a leaf.
+            if inplace or "in-place" not in str(exc):
+                raise
+            self.timer.clear()
+            self._measure_copy(n, rec, inplace=True)
+
+    def _measure_copy(self, n: fx.Node, rec: _Record, inplace: bool) -> None:
+        copies: set[int] = set()
+
+        def prepare(a: fx.Node, value: Any) -> Any:
+            if a.op in ("placeholder", "get_attr") or a.name not in self.requires_grad:
+                return value
+            flags = self.requires_grad[a.name]
+
+            def detach(t: Any, flag: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return t
+                leaf = t.detach()
+                if inplace:
+                    leaf = leaf.clone()
+                if flag:
+                    leaf.requires_grad_(True)
+                    copies.add(id(leaf))
+                    if inplace:  # in-place ops refuse leaves that require grad
+                        leaf = leaf.clone()
+                        self.timer.claimed.add(leaf.grad_fn)
+                return leaf
+
+            return pytree.tree_map(detach, value, flags) if flags is not None else value
+
+        self.timer.skip_leaves = copies
+        with torch.enable_grad():
+            out = self._measure(n, rec, prepare)
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        self.requires_grad[n.name] = pytree.tree_map(
+            lambda t: t.requires_grad if isinstance(t, torch.Tensor) else None, out
+        )
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        rec.resolve(self.clock)
+        self.timer.clear()
+        del out, outputs
+
+
+def _looks_inplace(n: fx.Node, root: nn.Module) -> bool:
+    if n.op == "call_module":
+        return bool(getattr(root.get_submodule(str(n.target)), "inplace", False))
+    if n.kwargs.get("inplace"):
+        return True
+    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
+
+
+# ---- the public entry point ------------------------------------------------------------------------
+
+
+def _device_of(module: nn.Module, inputs: Iterable[Any]) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    for t in _tensors(list(inputs)):
+        return t.device
+    return torch.device("cpu")
+
+
+def _dtype_of(module: nn.Module, inputs: Iterable[Any]) -> str:
+    candidates = list(module.parameters()) + _tensors(list(inputs))
+    for t in candidates:
+        if t.is_floating_point():
+            return str(t.dtype).replace("torch.", "")
+    return "float32"
+
+
+@contextmanager
+def _grads_set_aside(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Move existing .grad tensors away (steps start from none) and put them back after."""
+    kept = [(t, t.grad) for t in tensors]
+    for t in tensors:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in kept:
+            t.grad = grad
+
+
+def _clear_grads(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def _free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _other_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """The inputs at another batch size (half, or 2 when the batch is 1)."""
+    other = batch // 2 if batch >= 2 else 2
+
+    def resize(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == batch:
+            return t[:other] if other < batch else torch.cat([t] * other)[:other]
+        return t
+
+    return pytree.tree_map(resize, inputs), pytree.tree_map(resize, kwargs), other
+
+
+def _batch_dependence(traced: Traced, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                      batch: int | None, numel: dict[str, int], device: torch.device) -> dict[str, bool]:
+    """Whether each vertex's output size changes with the batch size: one no-grad forward at
+    another batch size. Structural fallback (does the vertex depend on an input?) when that
+    forward fails or there is no batch dimension."""
+    graph = traced.graph
+    reach = set(graph.meta.get("input_consumers", []))
+    for vid in graph.ids:
+        if any(p in reach for p in graph.predecessors(vid)):
+            reach.add(vid)
+    structural = {vid: vid in reach for vid in graph.ids}
+    if not batch:
+        return structural
+    small_inputs, small_kwargs, _ = _other_batch(inputs, kwargs, batch)
+    recorder = _ValueRecorder(traced.runner)
+    try:
+        with preserved_state(module, [device]), torch.no_grad():
+            recorder.run(*traced.call_args(small_inputs, small_kwargs))
+    except Exception:  # a model that fixes its batch size: keep the structural answer
+        return structural
+    vertex_of = {name: vid for name, vid in traced.charge.items()
+                 if vid in graph and (traced.kind == "chain" or name == vid)}
+    result = dict(structural)
+    for name, vid in vertex_of.items():
+        if name in recorder.numel and vid in numel:
+            result[vid] = structural[vid] and recorder.numel[name] != numel[vid]
+    return result
+
+
+def profile_module(
+    module: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    safe: bool = False,
+    traced: Traced | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> Graph:
+    """Trace (unless ``traced`` is given) and profile ``module`` on its device.
+
+    ``example_inputs``: a tensor or a tuple of positional inputs, on the module's device.
+    ``loss_fn(outputs) -> scalar``: defaults to the sum of every floating output.
+    Returns the :class:`Graph` with measured costs and the meta keys listed in
+    :mod:`lightning_remat.graph.ir`, plus ``saved_input_bytes`` ({id: bytes of the step's
+    inputs the op saves; they are resident anyway}), ``aliases`` ({id: id of the earlier
+    vertex whose storage this output shares: views and in-place ops}), ``resident_views``
+    ([ids whose output is a view of an input, parameter or buffer: no new memory]),
+    ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
+    (peak of one plain step measured with :func:`~lightning_remat.runtime.memory.peak_bytes`,
+    from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
+    step; in safe mode the sum of the vertex times) and ``safe``.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    inputs = as_tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    loss_fn = loss_fn or default_loss
+    device = _device_of(module, list(inputs) + list(kwargs.values()))
+    if device.type == "cpu":
+        # The CPU meter needs every large buffer in its own mapping from the first
+        # allocation on, or freed heap memory is reused unseen (DESIGN.md section 6).
+        set_mmap_threshold()
+    if traced is None:
+        traced = trace_module(module, inputs, kwargs)
+    input_tensors = _tensors(list(inputs) + list(kwargs.values()))
+    batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
+    grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
+    excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
+    args = traced.call_args(inputs, kwargs)
+
+    meta: dict[str, Any] = dict(traced.graph.meta)
+    meta.update(
+        batch_size=batch,
+        device=str(device),
+        dtype=_dtype_of(module, inputs),
+        input_bytes=_output_bytes(input_tensors),
+    )
+    # CUDA events and peak counters work on the current device: make it the module's.
+    on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
+        fallback_reason = ""
+        records: list[_Record] = []
+        if not safe:
+            try:
+                meta.update(_plain_steps(module, inputs, kwargs, loss_fn, device, grad_holders,
+                                         warmup, repeats))
+                records = _profile_steps(traced, args, loss_fn, device, excluded, grad_holders,
+                                         warmup, repeats)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                fallback_reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if fallback_reason:
+            # The exception (and its frames holding activations) is gone here; free the cache.
+            _clear_grads(grad_holders)
+            _free_device_memory(device)
+            warnings.warn(f"the training step ran out of memory while profiling "
+                          f"({fallback_reason}); profiling again in memory-safe mode",
+                          UserWarning, stacklevel=2)
+            safe = True
+        if safe:
+            meta.pop("plain_peak_bytes", None)
+            meta.pop("step_seconds", None)
+            records = _profile_safe(traced, args, device, excluded, grad_holders, warmup, repeats)
+        _clear_grads(grad_holders)
+        first = records[0]
+        meta["batch_dependent"] = _batch_dependence(traced, module, inputs, kwargs, batch,
+                                                    first.numel, device)
+
+    nodes = []
+    for node in traced.graph.nodes:
+        vid = node.id
+        nodes.append(replace(
+            node,
+            mem=first.mem.get(vid, 0),
+            saved=sum(first.saved_ptrs.get(vid, {}).values()),
+            t_fwd=statistics.median(r.t_fwd.get(vid, 0.0) for r in records),
+            t_bwd=statistics.median(r.t_bwd.get(vid, 0.0) for r in records),
+            ws_fwd=max(r.ws_fwd.get(vid, 0) for r in records),
+            ws_bwd=max(r.ws_bwd.get(vid, 0) for r in records),
+        ))
+    meta["saved_refs"] = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
+    meta["saved_input_bytes"] = {vid: b for vid, b in first.saved_input.items() if b}
+    meta["aliases"] = dict(first.aliases)
+    meta["requires_grad"] = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
+    meta["resident_views"] = [vid for vid in traced.graph.ids if vid in first.resident_views]
+    meta["safe"] = safe
+    if safe:
+        meta["step_seconds"] = sum(n.t_fwd + n.t_bwd for n in nodes)
+    return Graph(nodes, list(traced.graph.edges), meta)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor, got {loss!r:.80}")
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not require grad: the module has no trainable parameters on the "
+            "path to its output and no input requires grad, so there is no backward to profile"
+        )
+    loss.backward()
+
+
+def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
+                 device: torch.device, grad_holders: list[torch.Tensor], warmup: int,
+                 repeats: int) -> dict[str, Any]:
+    """Plain forward+backward steps: warm-up, the measured peak, and the median step time."""
+    clock = _Clock(device)
+
+    def step() -> None:
+        _backward(loss_fn(module(*inputs, **kwargs)))
+
+    for _ in range(warmup):
+        step()
+        _clear_grads(grad_holders)
+    peak = peak_bytes(step, device)  # collects garbage first
+    _clear_grads(grad_holders)
+    seconds = []
+    for _ in range(repeats):
+        clock.sync()
+        start = time.perf_counter()
+        step()
+        clock.sync()
+        seconds.append(time.perf_counter() - start)
+        _clear_grads(grad_holders)
+    return {"plain_peak_bytes": int(peak), "step_seconds": statistics.median(seconds)}
+
+
+def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: torch.device,
+                   excluded: set[int], grad_holders: list[torch.Tensor], warmup: int,
+                   repeats: int) -> list[_Record]:
+    """Normal mode: whole steps through the node-by-node interpreter."""
+    records = []
+    for k in range(warmup + repeats):
+        profiler = _Profiler(traced, device, excluded)
+        loss = loss_fn(profiler.run(*args))
+        _backward(loss)
+        profiler.record.resolve(profiler.clock)
+        profiler.timer.clear()
+        del loss
+        _clear_grads(grad_holders)
+        if k >= warmup:
+            records.append(profiler.record)
+    return records
+
+
+def _profile_safe(traced: Traced, args: list[Any], device: torch.device, excluded: set[int],
+                  grad_holders: list[torch.Tensor], warmup: int, repeats: int) -> list[_Record]:
+    """Memory-safe mode: one no-grad forward; each op measured alone ``warmup + repeats``
+    times (forward and backward), its activations dropped before the next op."""
+    profiler = _Profiler(traced, device, excluded, safe=True, rounds=warmup + repeats)
+    with torch.no_grad():
+        profiler.run(*args)
+    _clear_grads(grad_holders)
+    return profiler.records[warmup:]

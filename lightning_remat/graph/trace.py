@@ -1,0 +1,484 @@
+"""Capture a module's forward as a graph of tensor-producing vertices (DESIGN.md section 2).
+
+``trace_module`` runs ``torch.fx.symbolic_trace`` with the default leaf policy (standard
+``torch.nn`` layers stay one call; functional ops and tensor methods such as ``add``, ``cat``,
+``flatten``, ``view`` become vertices of their own). Vertex ids are the fx node names, so a
+plan over the :class:`~lightning_remat.graph.ir.Graph` maps back onto the traced module.
+
+Which fx nodes are vertices is found by running the traced module once on the example input
+(under ``no_grad``, in eval mode, buffers and RNG restored afterwards):
+
+- a node whose value is a tensor is a vertex;
+- a node whose value is a tuple/list of tensors (``chunk``, ``split``, an ``LSTM``) whose users
+  are all ``getitem`` is not: its ``getitem`` users are the vertices, and its cost is charged
+  to the first of them (:attr:`Traced.charge`);
+- placeholders, ``get_attr`` (parameters, buffers), ``output`` and nodes with non-tensor
+  values (``x.size(0)``) are not vertices; edges pass through them, so ``x.size()`` followed
+  by ``view`` still gives the edge from the producer of ``x`` to ``view``. An edge through
+  which only such non-tensor values flow (``h.view(h.size(0), -1)`` reads ``x`` only for its
+  size when ``x`` is another tensor) is listed in ``meta['shape_edges']``: the consumer
+  does not need the tensor itself alive.
+
+Meta: ``input_consumers``, ``outputs``, ``param_bytes`` (see :mod:`lightning_remat.graph.ir`)
+and ``shape_edges`` (``[[u, v], ...]``).
+
+When fx cannot trace the module (data-dependent control flow, unsupported Python), or its
+graph does not reproduce ``module(x)`` on the example input, the fallback is the chain of
+top-level children, valid only if running them in order reproduces ``module(x)``; a
+``UserWarning`` says why fx failed. When neither works, :class:`TraceError` names the module
+class and both reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_remat.errors import TraceError
+from lightning_remat.graph.ir import Graph, Node
+
+__all__ = ["Traced", "trace_module", "default_loss", "as_tuple"]
+
+
+@dataclass
+class Traced:
+    """A traced module: the fx graph (or the chain of children) and the IR graph (zero costs).
+
+    ``gm`` is None for the chain fallback; ``children`` lists ``(name, module)`` there.
+    ``charge`` maps every fx node that computes something (every ``call_*`` node with tensor
+    outputs) to the vertex id its time and saved bytes are charged to: a vertex to itself, a
+    tuple-producing node to its first ``getitem`` vertex. ``call_args`` turns the example
+    inputs into the positional arguments of ``gm``.
+    """
+
+    gm: fx.GraphModule | None
+    graph: Graph
+    kind: str
+    children: list[tuple[str, nn.Module]] = field(default_factory=list)
+    charge: dict[str, str] = field(default_factory=dict)
+    fx_failure: str = ""
+    """Why fx was not used (chain fallback only)."""
+    _runner: fx.GraphModule | None = field(default=None, repr=False)
+    _signature_names: list[str] = field(default_factory=list, repr=False)
+    _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def runner(self) -> fx.GraphModule:
+        """A GraphModule that runs the forward node by node: ``gm``, or for the chain
+        fallback a graph that calls the children in order (nodes named after the children's
+        vertex ids through :attr:`charge`)."""
+        if self.gm is not None:
+            return self.gm
+        assert self._runner is not None
+        return self._runner
+
+    def call_args(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Positional arguments for :attr:`runner` from the module's inputs."""
+        inputs = list(as_tuple(example_inputs))
+        kwargs = dict(example_kwargs or {})
+        if self.gm is None:
+            if kwargs:
+                raise TraceError("the chain fallback takes positional inputs only")
+            return inputs
+        args = list(inputs)
+        for name in self._signature_names[len(inputs):]:
+            if name in kwargs:
+                args.append(kwargs.pop(name))
+            else:
+                args.append(self._defaults.get(name))
+        if kwargs:
+            raise TraceError(f"unknown keyword inputs {sorted(kwargs)} for the traced forward")
+        return args
+
+
+def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    """The example inputs as a tuple of positional arguments (a lone tensor becomes ``(x,)``)."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def default_loss(outputs: Any) -> torch.Tensor:
+    """Sum of every floating tensor in the output structure (as float32)."""
+    terms = [
+        t.float().sum()
+        for t in pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]
+    if not terms:
+        raise ValueError(
+            "the module's output holds no floating tensor to build a loss from; pass loss_fn="
+        )
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total.real if total.is_complex() else total
+
+
+# ---- running a module without leaving a trace ----------------------------------------------
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Restore buffers (BatchNorm running statistics), training flags and the RNG state on
+    exit, so that measuring runs do not change what training would do next."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    modes = [(m, m.training) for m in module.modules()]
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
+            for m, mode in modes:
+                m.training = mode
+
+
+def _devices_of(module: nn.Module, inputs: Sequence[Any]) -> list[torch.device]:
+    devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+    devices |= {t.device for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)}
+    return sorted(devices, key=str)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal output structures (same key paths; fx returns immutable dicts and lists) with
+    allclose tensors."""
+    pa, _ = pytree.tree_flatten_with_path(a)
+    pb, _ = pytree.tree_flatten_with_path(b)
+    if [str(path) for path, _ in pa] != [str(path) for path, _ in pb]:
+        return False
+    for (_, x), (_, y) in zip(pa, pb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.is_floating_point() or x.is_complex():
+                if not torch.allclose(x, y, rtol=1e-3, atol=1e-5, equal_nan=True):
+                    return False
+            elif not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[torch.device]) -> tuple[Any, Any]:
+    """Both callables' outputs, each run from the same RNG state (so dropout draws the same
+    masks), without grad, in the module's current mode; buffers restored afterwards."""
+    with preserved_state(module, devices), torch.no_grad():
+        state = torch.random.get_rng_state()
+        cuda_state = [torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"]
+        out_a = run_a()
+        torch.random.set_rng_state(state)
+        for d, s in zip([d for d in devices if d.type == "cuda"], cuda_state):
+            torch.cuda.set_rng_state(s, d)
+        out_b = run_b()
+    return out_a, out_b
+
+
+class _ValueRecorder(fx.Interpreter):
+    """Records what each node's value is: a tensor, a structure holding tensors, or other."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.kind: dict[str, str] = {}
+        self.numel: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        if isinstance(value, torch.Tensor):
+            self.kind[n.name] = "tensor"
+            self.numel[n.name] = value.numel()
+        elif any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
+            self.kind[n.name] = "tensors"
+            self.numel[n.name] = sum(
+                t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+            )
+        else:
+            self.kind[n.name] = "other"
+        return value
+
+
+# ---- fx path ---------------------------------------------------------------------------------
+
+
+def _op_name(gm: fx.GraphModule, n: fx.Node) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(str(n.target))).__name__
+    if n.op == "call_method":
+        return str(n.target)
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def _is_getitem(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is operator.getitem
+
+
+def _input_nodes(n: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a) or a)
+    return list(dict.fromkeys(found))
+
+
+def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dict[str, str]]:
+    """The IR graph (zero costs) of a traced module given each node's value kind
+    (``tensor``/``tensors``/``other``), and the charge map (fx node -> vertex id)."""
+    nodes = list(gm.graph.nodes)
+    vertex: set[str] = set()
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        k = kind.get(n.name, "other")
+        if k == "tensor":
+            vertex.add(n.name)
+        elif k == "tensors":
+            users = list(n.users)
+            if not users or not all(_is_getitem(u) for u in users):
+                vertex.add(n.name)
+    # A tuple producer is charged to the first vertex among its getitem descendants.
+    charge: dict[str, str] = {v: v for v in vertex}
+    order = {m.name: i for i, m in enumerate(nodes)}
+    for n in reversed(nodes):
+        if n.op.startswith("call") and n.name not in vertex and kind.get(n.name) == "tensors":
+            targets = [charge[u.name] for u in n.users if u.name in charge]
+            if targets:
+                charge[n.name] = min(targets, key=order.__getitem__)
+            else:  # pragma: no cover - every user unused: keep it as a vertex
+                vertex.add(n.name)
+                charge[n.name] = n.name
+
+    # resolved[node] = (vertex ids the node's value depends on, whether it reaches an input,
+    # vertex ids whose tensor data flows into it). Non-tensor nodes (x.size(0)) pass the
+    # dependency on but not the data: an edge carrying only sizes is a "shape edge".
+    # A tuple producer stands for the vertex it is charged to, except for that vertex itself,
+    # which depends on the producer's own inputs (tuple_inputs).
+    Resolved = tuple[frozenset[str], bool, frozenset[str]]
+    resolved: dict[str, Resolved] = {}
+    tuple_inputs: dict[str, Resolved] = {}
+
+    def deps_of(n: fx.Node) -> Resolved:
+        ids: set[str] = set()
+        data: set[str] = set()
+        touches = False
+        for a in _input_nodes(n):
+            if a.name in tuple_inputs and charge[a.name] == n.name:
+                got, t, d = tuple_inputs[a.name]
+            else:
+                got, t, d = resolved[a.name]
+            ids |= got
+            data |= d
+            touches |= t
+        return frozenset(ids), touches, frozenset(data)
+
+    none: frozenset[str] = frozenset()
+    edges: list[tuple[str, str]] = []
+    shape_edges: list[list[str]] = []
+    input_consumers: list[str] = []
+    outputs: list[str] = []
+    for n in nodes:
+        if n.op == "placeholder":
+            resolved[n.name] = (none, True, none)
+        elif n.op == "get_attr":
+            resolved[n.name] = (none, False, none)
+        elif n.op == "output":
+            ids, _, _ = deps_of(n)
+            outputs = [m.name for m in nodes if m.name in ids]
+        elif n.name in vertex:
+            ids, touches, data = deps_of(n)
+            for u in sorted(ids, key=order.__getitem__):
+                edges.append((u, n.name))
+                if u not in data:
+                    shape_edges.append([u, n.name])
+            if touches:
+                input_consumers.append(n.name)
+            resolved[n.name] = (frozenset({n.name}), False, frozenset({n.name}))
+        elif n.name in charge:
+            tuple_inputs[n.name] = deps_of(n)
+            owner = frozenset({charge[n.name]})
+            resolved[n.name] = (owner, False, owner)
+        else:
+            ids, touches, _ = deps_of(n)
+            resolved[n.name] = (ids, touches, none)
+
+    # Parameters: a call_module owns its module's parameters; a get_attr parameter belongs to
+    # the first op using it. Each parameter is counted once (weight tying, modules called twice).
+    param_bytes: dict[str, int] = {}
+    counted: set[int] = set()
+
+    def add_params(vid: str, params: Iterator[torch.Tensor]) -> None:
+        total = 0
+        for p in params:
+            if id(p) not in counted:
+                counted.add(id(p))
+                total += p.numel() * p.element_size()
+        if total:
+            param_bytes[vid] = param_bytes.get(vid, 0) + total
+
+    for n in nodes:
+        if n.name not in charge:
+            continue
+        if n.op == "call_module":
+            add_params(charge[n.name], gm.get_submodule(str(n.target)).parameters())
+        for a in _input_nodes(n):
+            if a.op == "get_attr":
+                value = _fetch_attr(gm, str(a.target))
+                if isinstance(value, nn.Parameter):
+                    add_params(charge[n.name], iter([value]))
+
+    graph_nodes = [Node(id=n.name, op=_op_name(gm, n)) for n in nodes if n.name in vertex]
+    meta = {"input_consumers": input_consumers, "outputs": outputs, "param_bytes": param_bytes,
+            "shape_edges": shape_edges}
+    return Graph(graph_nodes, edges, meta), charge
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """Forward's parameter names, their defaults, and concrete_args for those not given."""
+    sig = inspect.signature(module.forward)
+    names: list[str] = []
+    defaults: dict[str, Any] = {}
+    for p in sig.parameters.values():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise ValueError(f"{type(module).__name__}.forward takes *args/**kwargs")
+        names.append(p.name)
+        if p.default is not inspect.Parameter.empty:
+            defaults[p.name] = p.default
+    given = set(names[: len(inputs)]) | set(kwargs)
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown or len(inputs) > len(names):
+        raise TraceError(f"{type(module).__name__}.forward does not take inputs {unknown or inputs}")
+    # Arguments left at their defaults are specialised, so `if mask is not None` traces.
+    concrete = {name: defaults[name] for name in names if name not in given and name in defaults}
+    return names, defaults, concrete
+
+
+def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]) -> Traced:
+    names, defaults, concrete = _signature(module, inputs, kwargs)
+    gm = fx.symbolic_trace(module, concrete_args=concrete or None)
+    traced = Traced(gm=gm, graph=Graph([], []), kind="fx", _signature_names=names, _defaults=defaults)
+    args = traced.call_args(inputs, kwargs)
+    recorder = _ValueRecorder(gm)
+    expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs), lambda: recorder.run(*args), devices)
+    if not _same(expected, got):
+        raise RuntimeError(
+            "the traced graph's output differs from module(...) on the example input "
+            "(Python control flow was specialised at trace time)"
+        )
+    traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
+    if not len(traced.graph):
+        raise RuntimeError("the traced graph computes no tensor")
+    return traced
+
+
+# ---- chain fallback --------------------------------------------------------------------------
+
+
+def chain_graph_module(module: nn.Module, children: list[tuple[str, nn.Module]], n_inputs: int) -> tuple[fx.GraphModule, dict[str, str]]:
+    """A GraphModule calling the children in order; its node names map to child names."""
+    graph = fx.Graph()
+    args = [graph.placeholder(f"input_{i}") for i in range(n_inputs)]
+    value: Any = None
+    charge: dict[str, str] = {}
+    for k, (name, _) in enumerate(children):
+        value = graph.call_module(name, tuple(args) if k == 0 else (value,))
+        charge[value.name] = name
+    graph.output(value)
+    return fx.GraphModule(module, graph), charge
+
+
+def _trace_chain(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]) -> Traced:
+    children = list(module.named_children())
+    if not children:
+        raise RuntimeError("the module has no child modules to chain")
+    if kwargs:
+        raise RuntimeError("the chain of children takes positional inputs only, and keyword inputs were given")
+
+    def run_chain() -> Any:
+        value = children[0][1](*inputs)
+        for _, child in children[1:]:
+            value = child(value)
+        return value
+
+    try:
+        expected, got = _compare_runs(module, lambda: module(*inputs), run_chain, devices)
+    except Exception as exc:
+        raise RuntimeError(f"running the children in order fails: {type(exc).__name__}: {exc}") from exc
+    if not _same(expected, got):
+        raise RuntimeError("running the children in order does not reproduce module(x)")
+    runner, charge = chain_graph_module(module, children, len(inputs))
+    nodes = [Node(id=name, op=type(child).__name__) for name, child in children]
+    edges = [(a, b) for (a, _), (b, _) in zip(children, children[1:])]
+    counted: set[int] = set()
+    param_bytes: dict[str, int] = {}
+    for name, child in children:
+        total = 0
+        for p in child.parameters():
+            if id(p) not in counted:
+                counted.add(id(p))
+                total += p.numel() * p.element_size()
+        if total:
+            param_bytes[name] = total
+    meta = {"input_consumers": [children[0][0]], "outputs": [children[-1][0]],
+            "param_bytes": param_bytes, "shape_edges": []}
+    return Traced(gm=None, graph=Graph(nodes, edges, meta), kind="chain", children=children,
+                  charge=charge, _runner=runner)
+
+
+def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Traced:
+    """Trace ``module``'s forward into a :class:`Traced` (fx graph + IR graph with zero costs).
+
+    ``example_inputs`` is a tensor or a tuple of positional inputs; ``example_kwargs`` the
+    keyword inputs. Forward arguments not given keep their defaults and are specialised.
+    Falls back to the chain of top-level children (with a ``UserWarning``) when fx fails;
+    raises :class:`~lightning_remat.errors.TraceError` when that fails too.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
+    inputs = as_tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    devices = _devices_of(module, list(inputs) + list(kwargs.values()))
+    try:
+        return _trace_fx(module, inputs, kwargs, devices)
+    except TraceError:
+        raise
+    except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
+        fx_reason = f"{type(exc).__name__}: {exc}".strip()
+    try:
+        traced = _trace_chain(module, inputs, kwargs, devices)
+    except Exception as exc:
+        chain_reason = str(exc)
+        raise TraceError(
+            f"cannot trace {type(module).__name__}: torch.fx failed ({fx_reason}); "
+            f"the chain fallback failed too ({chain_reason}). Make forward fx-traceable "
+            "(move data-dependent control flow into a leaf module) or write the model as a "
+            "sequence of children"
+        ) from None
+    traced.fx_failure = fx_reason
+    warnings.warn(
+        f"torch.fx could not trace {type(module).__name__} ({fx_reason}); using the chain of "
+        f"its {len(traced.children)} top-level children instead, one vertex per child",
+        UserWarning,
+        stacklevel=2,
+    )
+    return traced
