@@ -15,6 +15,7 @@ strategy registry, and in ``lightning.pytorch``'s when that package is installed
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import types
 from pathlib import Path
@@ -91,6 +92,7 @@ class _RematLogic:
         original_forward = module.forward
         strategy = self
 
+        @functools.wraps(type(module).forward)  # tracing reads the real signature
         def forward(_self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             planner = strategy.planner
             if (

@@ -19,7 +19,7 @@ class ConvNet(pl.LightningModule):
         self.block = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
                                    nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c))
         self.act = nn.ReLU()
-        self.tail = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU())
+        self.tail = nn.Sequential(*[m for _ in range(16) for m in (nn.Conv2d(c, c, 3, padding=1), nn.ReLU())])
         self.head = nn.Linear(c, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,10 @@ def loaders(n: int = 64, batch_size: int = 16, size: int = 32, seed: int = 0):
 
 
 def trainer_kwargs(tmp_path, **extra):
-    return dict(
+    kwargs = dict(
         default_root_dir=str(tmp_path), accelerator="cpu", devices=1, max_epochs=2,
         enable_progress_bar=False, enable_model_summary=False, logger=False,
-        enable_checkpointing=False, deterministic=True, **extra,
+        enable_checkpointing=False, deterministic=True,
     )
+    kwargs.update(extra)
+    return kwargs

@@ -88,7 +88,7 @@ class PlannedModule:
         device = device_of(self.module, ())
         args, kwargs = _to_device(self.example, device)
         with preserved_training_state(self.module):
-            return record_timeline(self.module, args, example_kwargs=kwargs)
+            return record_timeline(self.module, args if not kwargs else (*args, *kwargs.values()))
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -99,14 +99,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
     return value
-
-
-def default_budget(device: torch.device, margin: float = 0.1) -> int | None:
-    """Free device memory now, less a safety margin (CUDA); no limit on CPU."""
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * (1 - margin))
 
 
 class ShapePlanner:
@@ -171,46 +163,56 @@ class ShapePlanner:
         return entry
 
     def _plan(self, args: tuple, kwargs: dict, key: tuple) -> PlannedModule:
-        from lightning_remat.graph.profile import profile_module
-        from lightning_remat.graph.trace import trace_module
-        from lightning_remat.runtime.apply import apply_traced
+        # The same steps as remat(): trace, profile, budget, solve, apply; plus the cache,
+        # plans restored from a checkpoint, and rank zero's plan broadcast under DDP.
+        from lightning_remat.graph.trace import preserved_state
+        from lightning_remat.runtime.apply import (
+            _device_budget,
+            _plain_peak,
+            _trace,
+            apply_plan,
+            measured_bandwidth,
+        )
         from lightning_remat.solvers import plain_plan, solve
 
         device = device_of(self.module, args)
-        traced = trace_module(self.module, args, kwargs or None)
+        with preserved_state(self.module, [device]):
+            traced = _trace(self.module, args, kwargs)
         cache_key = None
         graph: Graph | None = None
         plan: Plan | None = None
         from_cache = False
-        budget: int | None = None
         if repr(key) in self.restored:
             graph_json, plan_json = self.restored[repr(key)]
             graph, plan, from_cache = Graph.from_json(graph_json), Plan.from_json(plan_json), True
         if plan is None and (self.broadcast is None or self._is_rank_zero()):
             if self.cache is not None:
                 budget_key = self.memory_budget if isinstance(self.memory_budget, int) else str(self.memory_budget)
+                options = ",".join(f"{k}={v}" for k, v in sorted(self.solver_options.items()))
                 cache_key = CacheKey(
                     traced.graph.graph_hash(), tuple(s for s, _ in key),
                     ",".join(sorted({d for _, d in key})), device_name(device),
-                    budget_key, self.solver,  # type: ignore[arg-type]
+                    budget_key, f"{self.solver}[{options}]",  # type: ignore[arg-type]
                 )
                 hit = self.cache.get(cache_key)
                 if hit is not None:
                     graph, plan, from_cache = hit.graph, hit.plan, True
             if plan is None:
+                from lightning_remat.graph.profile import profile_module
+
                 graph = profile_module(
                     self.module, args, example_kwargs=kwargs or None, repeats=self.profile_repeats,
                     safe=self.safe_profile, traced=traced,
                 )
-                plain_peak = graph.meta.get("plain_peak_bytes") or plain_plan(graph).predicted_peak_bytes
-                budget = parse_budget(self.memory_budget, plain_peak)
+                graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
+                budget = parse_budget(self.memory_budget, _plain_peak(graph))
                 if budget is None:
-                    budget = default_budget(device)
+                    budget = _device_budget(device)
                 if budget is None:
                     plan = plain_plan(graph)
                 else:
                     plan = solve(graph, budget, self.solver, **self.solver_options)
-                if self.cache is not None and cache_key is not None:
+                if cache_key is not None:
                     self.cache.put(cache_key, graph, plan)
         if self.broadcast is not None:
             payload = self.broadcast(
@@ -219,10 +221,8 @@ class ShapePlanner:
             graph, plan = Graph.from_json(payload[0]), Plan.from_json(payload[1])
             from_cache = payload[2]
         assert graph is not None and plan is not None
-        if budget is None:
-            plain_peak = graph.meta.get("plain_peak_bytes") or plain_plan(graph).predicted_peak_bytes
-            budget = parse_budget(self.memory_budget, plain_peak) or default_budget(device)
-        module = apply_traced(traced, plan)
+        budget = parse_budget(self.memory_budget, _plain_peak(graph)) or _device_budget(device)
+        module = apply_plan(traced.runner, plan, root=self.module, charge=traced.charge)
         example = _to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
         return PlannedModule(module, graph, plan, budget, from_cache, example)
 

@@ -1,0 +1,186 @@
+"""``solver="auto"`` (DESIGN.md 4.6): Kusumoto's recommended order, then offloading.
+
+1. approximate DP, time-centric (least extra time within the budget);
+2. if its plan does not fit: approximate DP, memory-centric at the budget, and then the
+   memory-centric strategy at the smallest budget the DP can meet (Kusumoto section 4.4: the
+   coarse partition gives liveness the most room, so its real peak is the lowest);
+3. if still nothing fits: the memory-optimal recomputation solvers (Feng & Huang's
+   re-forwarding, Hong et al.'s Algorithm 6, Chen's budgeted greedy), whose plans use less
+   memory than the DP's liveness-free formula lets it find; the fitting one with the least
+   extra time is taken;
+4. if still nothing fits: ``lightning_remat.solvers.offload.solve_dynprog`` (Beaumont et al.)
+   when that module exists (imported lazily; without it the step is skipped with a note);
+5. otherwise the best infeasible plan (the least predicted peak among those tried).
+
+"Fits" means the simulator's predicted peak (``plan.predicted_peak_bytes``, which models
+PyTorch freeing dead tensors) is within the budget: that is what the runtime will see, and it
+is why a memory-centric plan can fit where the time-centric one does not although both meet
+the DP's own (liveness-free) peak formula. The plan's ``solver`` names the step that produced
+it (``"auto:kusumoto-tc"``, ``"auto:kusumoto-mc"``, ``"auto:dynprog"``) and its ``notes`` say
+why earlier steps failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.kusumoto import (
+    min_budget_solve_approx_tc,
+    solve_approx_mc,
+    solve_approx_tc,
+)
+from lightning_remat.solvers.plan import Plan
+
+__all__ = ["min_budget_solve_auto", "solve_auto"]
+
+_KUSUMOTO_OPTIONS = ("max_lower_sets", "time_steps")
+
+
+def _kusumoto_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k in _KUSUMOTO_OPTIONS}
+
+
+def _dynprog() -> Callable[..., Plan] | None:
+    """The offloading solver, when the module another helper writes is present."""
+    try:
+        module = importlib.import_module("lightning_remat.solvers.offload")
+    except ImportError:
+        return None
+    return getattr(module, "solve_dynprog", None)
+
+
+def _fits(plan: Plan, budget: int) -> bool:
+    return plan.predicted_peak_bytes <= budget
+
+
+def _why(plan: Plan, budget: int) -> str:
+    if not plan.feasible:
+        return f"no strategy meets {budget} bytes under the DP's peak formula"
+    return f"its predicted peak {plan.predicted_peak_bytes} bytes exceeds the budget {budget} bytes"
+
+
+def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
+    """TC, then MC, then DynProg offloading, then the best infeasible plan (module doc).
+    ``options``: ``max_lower_sets`` and ``time_steps`` reach the Kusumoto solvers;
+    ``offload_options`` (a dict) reaches the offloading solver; ``allow_offload=False``
+    stops the chain before offloading."""
+    kusumoto_options = _kusumoto_options(options)
+    if budget_bytes is None:
+        return _label(solve_approx_tc(graph, None, **kusumoto_options), "auto:kusumoto-tc",
+                      [], True)
+    budget = budget_bytes
+    notes: list[str] = []
+    tried: list[Plan] = []
+
+    tc = solve_approx_tc(graph, budget, **kusumoto_options)
+    if _fits(tc, budget):
+        tc = _relaxed_tc(graph, budget, tc, kusumoto_options)
+        return _label(tc, "auto:kusumoto-tc", notes, True)
+    notes.append(f"kusumoto-tc failed: {_why(tc, budget)}")
+    tried.append(tc)
+
+    mc = solve_approx_mc(graph, budget, **kusumoto_options)
+    if _fits(mc, budget):
+        return _label(mc, "auto:kusumoto-mc", notes, True)
+    notes.append(f"kusumoto-mc failed: {_why(mc, budget)}")
+    tried.append(mc)
+    if mc.feasible:
+        # The DP met the budget but the real peak does not: take the memory-centric strategy
+        # at the smallest budget the DP can meet, the lowest-memory one it has.
+        least = solve_approx_mc(graph, None, **kusumoto_options)
+        if _fits(least, budget):
+            notes.append("using the memory-centric strategy at the DP's smallest budget")
+            return _label(least, "auto:kusumoto-mc", notes, True)
+        notes.append("kusumoto-mc at the DP's smallest budget failed: its predicted peak "
+                     f"{least.predicted_peak_bytes} bytes exceeds the budget")
+        tried.append(least)
+
+    recomputed = [p for p in _memory_optimal_plans(graph, budget) if _fits(p, budget)]
+    if recomputed:
+        best = min(recomputed, key=lambda p: (p.predicted_extra_seconds, p.predicted_peak_bytes))
+        notes.append(f"{best.solver} fits: its memory-optimal plan is within the budget")
+        return _label(best, f"auto:{best.solver}", notes, True)
+    notes.append(f"{', '.join(_MEMORY_OPTIMAL)} failed: their least-memory plans exceed the budget")
+
+    dynprog = _dynprog() if options.get("allow_offload", True) else None
+    if not options.get("allow_offload", True):
+        notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
+    elif dynprog is None:
+        notes.append("dynprog skipped: lightning_remat.solvers.offload.solve_dynprog is not available")
+    else:
+        try:
+            offloaded = dynprog(graph, budget, **dict(options.get("offload_options", {})))
+        except ValueError as exc:  # e.g. no measured bandwidth in the graph
+            notes.append(f"dynprog skipped: {exc}")
+        else:
+            if offloaded.feasible:
+                return _label(offloaded, "auto:dynprog", notes, True)
+            notes.append("dynprog failed: offloading does not meet the budget either")
+            tried.append(offloaded)
+
+    best = min(tried, key=lambda p: (p.predicted_peak_bytes, p.predicted_extra_seconds))
+    notes.append(f"nothing fits; returning the {best.solver} plan with the least predicted peak")
+    return _label(best, f"auto:{best.solver}", notes, False)
+
+
+_MEMORY_OPTIMAL = ("feng", "hong-linear", "chen-greedy")
+
+
+def _memory_optimal_plans(graph: Graph, budget: int) -> list[Plan]:
+    from lightning_remat.solvers import get_solver
+
+    return [get_solver(name)(graph, budget) for name in _MEMORY_OPTIMAL]
+
+
+def _relaxed_tc(graph: Graph, budget: int, plan: Plan, kusumoto_options: dict[str, Any],
+                steps: int = 8) -> Plan:
+    """The DP's peak formula ignores liveness, so it over-states the real peak and the TC
+    plan recomputes more than the budget needs. Bisect the budget handed to the DP upward
+    while the simulated peak of its plan still fits, keeping the fastest fitting plan."""
+    lo, hi = budget, 2 * max(budget, int(graph.total("mem")) + int(graph.total("saved")))
+    best = plan
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        candidate = solve_approx_tc(graph, mid, **kusumoto_options)
+        if candidate.feasible and _fits(candidate, budget):
+            lo = mid
+            if candidate.predicted_extra_seconds < best.predicted_extra_seconds:
+                best = candidate
+        else:
+            hi = mid
+    if best is not plan:
+        best.notes.append(f"the DP was given {lo} bytes: its plan's simulated peak still fits {budget}")
+    return best
+
+
+def _label(plan: Plan, name: str, notes: list[str], fits: bool) -> Plan:
+    plan.notes = [*notes, *plan.notes]
+    plan.solver = name
+    plan.feasible = fits
+    return plan
+
+
+def min_budget_solve_auto(graph: Graph, **options: Any) -> int:
+    """The least budget at which :func:`solve_auto` is known to fit: the smallest of the
+    predicted peaks of the TC and MC strategies at the approximate DP's own smallest budget
+    (and DynProg's smallest budget when the offloading module exists) that ``solve_auto``
+    accepts. The MC one is always accepted (at that budget step 2 returns it)."""
+    kusumoto_options = _kusumoto_options(options)
+    least_dp = min_budget_solve_approx_tc(graph, **kusumoto_options)
+    memory_centric = solve_approx_mc(graph, None, **kusumoto_options).predicted_peak_bytes
+    candidates = {solve_approx_tc(graph, least_dp, **kusumoto_options).predicted_peak_bytes}
+    candidates.update(p.predicted_peak_bytes for p in _memory_optimal_plans(graph, least_dp))
+    if _dynprog() is not None:
+        from lightning_remat.solvers import min_budget
+
+        try:
+            candidates.add(min_budget(graph, "dynprog", **dict(options.get("offload_options", {}))))
+        except ValueError:
+            pass  # offloading cannot be planned without a bandwidth
+    for candidate in sorted(c for c in candidates if c < memory_centric):
+        if solve_auto(graph, int(candidate), **options).feasible:
+            return int(candidate)
+    return int(memory_centric)

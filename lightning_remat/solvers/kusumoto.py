@@ -1,0 +1,649 @@
+"""Kusumoto et al. 2019, "A Graph Theoretic Framework of Recomputation Algorithms for
+Memory-Efficient Backpropagation" (``papers/kusumoto-graph-recomputation.txt``).
+
+The paper text lost its formulas; DESIGN.md section 4.4 restates them and this module follows
+that restatement exactly (paper equation numbers in brackets):
+
+- a strategy is an increasing sequence of lower sets ``{} = L0 < L1 < ... < Lk = V``; stage
+  ``i`` computes ``Vi = Li \\ L(i-1)``;
+- extra time [eq. 1]: ``T = sum over i < k of time(Vi \\ B(Li))`` with ``time = t_fwd`` (the
+  last stage is never recomputed);
+- cache after stage i: ``U(i) = U(i-1) + mem(B(Li) \\ L(i-1))``;
+- memory of stage i's backward [eq. 2]: ``U(i-1) + 2 mem(Vi) + mem(out(Li) \\ Li)
+  + mem(in(out(Li)) \\ Li \\ out(Li))``; the peak is the largest of these, and a strategy is
+  feasible for a budget M when its peak is at most M;
+- DP (section 4.2, Appendix A Algorithm 1): a state is ``(L, t)`` holding the least cache
+  ``m`` of any prefix that ends in L with extra time t; from ``(L, t, m)`` go to every lower
+  set ``L' > L`` of the family with ``m + stage_memory(L, L') <= M``.
+- Exact DP: the family of all lower sets (section 4.2). Approximate DP: ``{}``, ``V`` and,
+  for each vertex v, v with all its ancestors, n + 2 sets (section 4.3).
+- Time-centric (TC): least T among final states. Memory-centric (MC, section 4.4): largest
+  feasible T, the coarse partition that gives liveness analysis the most room.
+- The smallest budget with any solution is found by binary search on M (section 5.1).
+
+Implementation choices (why):
+
+- Lower sets are bitsets (Python ints, bit i = the i-th vertex in topological order) while
+  enumerating, and a boolean membership matrix plus packed 64-bit words for the DP, so that
+  the per-pair quantities (subset test, ``mem(B(L') & L)``) are numpy operations over all
+  sources of a target at once.
+- Dominated states are pruned: for TC, ``(t1, m1)`` dominates ``(t2, m2)`` at the same L when
+  ``t1 <= t2`` and ``m1 <= m2`` (every continuation of the second is feasible from the first
+  and no slower); for MC when ``t1 >= t2`` and ``m1 <= m2``. This keeps the paper's optimum.
+- Time discretisation: when every ``t_fwd`` is a whole number (tests, Kusumoto's own costs of
+  1 and 10) times are exact and the DP is exact. Otherwise states are bucketed by
+  ``floor(t / unit)`` and only the least ``m`` per ``(L, bucket)`` is kept (the paper's
+  discretised table); the result's T may then exceed the optimum by up to one ``unit`` per
+  stage. MC uses ``unit = total forward time / time_steps``. TC first runs a coarse pass
+  (32 buckets over the whole forward time); its strategy's exact T bounds the fine pass
+  (slower states are dropped, which keeps the optimum) and sets its ``unit = T / time_steps``,
+  so the resolution follows the extra time that is actually at stake. The T reported is
+  always computed exactly from the chosen sequence.
+- Further pruning that keeps the optimum: ``g(L)``, the least budget above the held cache
+  with which the strategy can still be finished from L (one backward pass), drops states
+  with ``m + g(L) > M``; ``g({})`` is also the smallest budget with any strategy.
+- The plan's ``feasible`` is the DP's own verdict (its peak formula, eq. 2, against the
+  budget), not the simulator's, because that is the model the DP optimises; the DP's peak and
+  the simulator's peak both go into ``plan.notes``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.plan import Plan, Stage, make_plan
+
+__all__ = [
+    "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",
+    "min_budget_solve_approx_mc", "min_budget_solve_approx_tc", "min_budget_solve_exact_mc",
+    "min_budget_solve_exact_tc", "solve_approx_mc", "solve_approx_tc", "solve_exact_mc",
+    "solve_exact_tc",
+]
+
+DEFAULT_MAX_LOWER_SETS = 100_000
+DEFAULT_TIME_STEPS = 500
+_INF = np.iinfo(np.int64).max
+# Cache per-target transition arrays while their total size stays under this many entries.
+_TRANSITION_CACHE_ENTRIES = 5_000_000
+
+
+# ---- graph as bitsets -------------------------------------------------------------------------
+@dataclass
+class _GraphBits:
+    ids: list[str]
+    mem: np.ndarray  # int64 bytes per vertex, topological order
+    t_fwd: np.ndarray  # float64 seconds per vertex
+    pred_bits: list[int]
+    src: np.ndarray  # edge tails (vertex indices)
+    dst: np.ndarray  # edge heads
+    integer_times: bool
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    @property
+    def full(self) -> int:
+        return (1 << self.n) - 1
+
+
+def _graph_bits(graph: Graph) -> _GraphBits:
+    ids = graph.ids
+    index = {nid: i for i, nid in enumerate(ids)}
+    pred_bits = [0] * len(ids)
+    src, dst = [], []
+    for u, v in graph.edges:
+        pred_bits[index[v]] |= 1 << index[u]
+        src.append(index[u])
+        dst.append(index[v])
+    times = [float(node.t_fwd) for node in graph.nodes]
+    return _GraphBits(
+        ids=ids,
+        mem=np.array([node.mem for node in graph.nodes], dtype=np.int64),
+        t_fwd=np.array(times, dtype=np.float64),
+        pred_bits=pred_bits,
+        src=np.array(src, dtype=np.int64),
+        dst=np.array(dst, dtype=np.int64),
+        integer_times=all(t.is_integer() for t in times),
+    )
+
+
+def _ancestor_sets(bits: _GraphBits) -> list[int]:
+    """For each vertex v, the bitset of v and all its ancestors (the approximate family)."""
+    anc: list[int] = []
+    for i in range(bits.n):
+        mask = 1 << i
+        pred = bits.pred_bits[i]
+        while pred:
+            low = pred & -pred
+            mask |= anc[low.bit_length() - 1]
+            pred ^= low
+        anc.append(mask)
+    return anc
+
+
+def _all_lower_sets(bits: _GraphBits, max_lower_sets: int) -> list[int]:
+    """Every lower set, without duplicates: decide vertices in topological order; a vertex
+    may join only when all its predecessors are in. The partial lists only grow, so the
+    limit is checked as they do."""
+    sets = [0]
+    for i in range(bits.n):
+        pred = bits.pred_bits[i]
+        bit = 1 << i
+        sets += [s | bit for s in sets if pred & ~s == 0]
+        if len(sets) > max_lower_sets:
+            raise ValueError(
+                f"the graph ({bits.n} vertices) has more than {max_lower_sets} lower sets; "
+                "raise max_lower_sets or use the approximate DP (solver 'kusumoto-tc' / "
+                "'kusumoto-mc')"
+            )
+    return sets
+
+
+# ---- the family of lower sets with its per-set quantities ------------------------------------
+def _reduce_columns(matrix: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
+    """OR the columns of ``matrix`` (one per edge) into one column per vertex ``keys[e]``."""
+    out = np.zeros((matrix.shape[0], n), dtype=bool)
+    if keys.size == 0:
+        return out
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+    out[:, sorted_keys[starts]] = np.logical_or.reduceat(matrix[:, order], starts, axis=1)
+    return out
+
+
+@dataclass
+class LowerSetFamily:
+    """Lower sets sorted by size (index 0 is {}, the last is V) with what the DP needs of
+    each: ``mem(L)``, ``time(L)``, the boundary ``B(L)`` and the fixed part of eq. 2."""
+
+    bits: _GraphBits
+    sets: list[int]
+    member: np.ndarray = field(init=False)  # K x n bool
+    words: np.ndarray = field(init=False)  # K x W uint64, packed membership
+    mem_set: np.ndarray = field(init=False)
+    time_set: np.ndarray = field(init=False)
+    mem_boundary: np.ndarray = field(init=False)
+    time_boundary: np.ndarray = field(init=False)
+    fixed: np.ndarray = field(init=False)
+    boundary_idx: list[np.ndarray] = field(init=False)
+    _cache: dict[int, tuple[np.ndarray, ...]] = field(init=False, default_factory=dict)
+    _cached_entries: int = field(init=False, default=0)
+    _finish_need: np.ndarray | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        bits = self.bits
+        n = bits.n
+        self.sets = sorted(set(self.sets) | {0, bits.full}, key=lambda s: (s.bit_count(), s))
+        nbytes = max(8, ((n + 63) // 64) * 8)
+        buffer = b"".join(s.to_bytes(nbytes, "little") for s in self.sets)
+        raw = np.frombuffer(buffer, dtype=np.uint8).reshape(len(self.sets), nbytes)
+        self.words = raw.view("<u8").astype(np.uint64)
+        self.member = np.unpackbits(raw, axis=1, bitorder="little")[:, :n].astype(bool)
+        member = self.member
+        mem, t_fwd = bits.mem, bits.t_fwd
+        self.mem_set = member.astype(np.int64) @ mem
+        self.time_set = member.astype(np.float64) @ t_fwd
+        # An edge (u, w) crosses out of L when u is in L and w is not.
+        in_tail = member[:, bits.src]
+        crossing = in_tail & ~member[:, bits.dst]
+        boundary = _reduce_columns(crossing, bits.src, n)  # B(L)
+        out_all = _reduce_columns(in_tail, bits.dst, n)  # out(L)
+        out_outside = out_all & ~member  # out(L) \ L: gradients arriving from later stages
+        # in(out(L)) \ L \ out(L): tails u of edges into out(L) \ L, outside L and out(L).
+        needed_edge = out_outside[:, bits.dst] & ~member[:, bits.src] & ~out_all[:, bits.src]
+        needed = _reduce_columns(needed_edge, bits.src, n)
+        self.mem_boundary = boundary.astype(np.int64) @ mem
+        self.time_boundary = boundary.astype(np.float64) @ t_fwd
+        self.fixed = out_outside.astype(np.int64) @ mem + needed.astype(np.int64) @ mem
+        self.boundary_idx = [np.flatnonzero(row) for row in boundary]
+
+    @property
+    def size(self) -> int:
+        return len(self.sets)
+
+    def transitions(self, j: int) -> tuple[np.ndarray, ...]:
+        """For target set j: its proper sub-lower-sets in the family (indices), and per
+        source L: the stage memory above U(i-1) [eq. 2], the cache it adds
+        ``mem(B(L') \\ L)`` and the extra time ``time(V' \\ B(L'))`` [eq. 1] (0 for V)."""
+        hit = self._cache.get(j)
+        if hit is not None:
+            return hit
+        words = self.words
+        sources = np.flatnonzero(np.all((words[:j] & ~words[j]) == 0, axis=1))
+        b_idx = self.boundary_idx[j]
+        if b_idx.size:
+            inside = self.member[np.ix_(sources, b_idx)]
+            overlap_mem = inside.astype(np.int64) @ self.bits.mem[b_idx]
+            overlap_time = inside.astype(np.float64) @ self.bits.t_fwd[b_idx]
+        else:
+            overlap_mem = np.zeros(sources.size, dtype=np.int64)
+            overlap_time = np.zeros(sources.size, dtype=np.float64)
+        stage_mem = 2 * (self.mem_set[j] - self.mem_set[sources]) + self.fixed[j]
+        cache_add = self.mem_boundary[j] - overlap_mem
+        if j == self.size - 1:
+            extra_time = np.zeros(sources.size, dtype=np.float64)  # the last stage: no recompute
+        else:
+            stage_time = self.time_set[j] - self.time_set[sources]
+            extra_time = np.maximum(stage_time - (self.time_boundary[j] - overlap_time), 0.0)
+        result = (sources, stage_mem, cache_add, extra_time)
+        if self._cached_entries + sources.size <= _TRANSITION_CACHE_ENTRIES:
+            self._cache[j] = result
+            self._cached_entries += sources.size
+        return result
+
+    # ---- DP ---------------------------------------------------------------------------------
+    def feasible(self, budget: int) -> bool:
+        """Whether any strategy over the family has peak <= budget: the least cache per
+        lower set suffices, since every constraint and every cache only grows with it."""
+        best = np.full(self.size, _INF, dtype=np.int64)
+        best[0] = 0
+        for j in range(1, self.size):
+            sources, stage_mem, cache_add, _ = self.transitions(j)
+            cache = best[sources]
+            ok = (cache != _INF) & (cache + stage_mem <= budget)
+            if ok.any():
+                best[j] = int((cache[ok] + cache_add[ok]).min())
+        return bool(best[-1] != _INF)
+
+    def evaluate(self, sequence: list[int]) -> tuple[int, float]:
+        """Peak [eq. 2] and extra time [eq. 1] of a sequence of family indices."""
+        cache, peak, extra = 0, 0, 0.0
+        for before, after in zip(sequence, sequence[1:]):
+            sources, stage_mem, cache_add, extra_time = self.transitions(after)
+            k = int(np.searchsorted(sources, before))
+            peak = max(peak, cache + int(stage_mem[k]))
+            cache += int(cache_add[k])
+            extra += float(extra_time[k])
+        return peak, extra
+
+    def finish_need(self) -> np.ndarray:
+        """For each lower set L, the least budget above the cache already held with which
+        the strategy can still be finished from L: ``g(V) = 0`` and ``g(L) = min over L' >
+        L of max(stage_memory(L, L'), cache_added(L, L') + g(L'))``. A state (L, m) can
+        reach V exactly when ``m + g(L) <= M``, and ``g({})`` is the smallest budget with
+        any strategy. Computed once, backwards over the family."""
+        if self._finish_need is None:
+            need = np.full(self.size, _INF, dtype=np.int64)
+            need[-1] = 0
+            for j in range(self.size - 1, 0, -1):
+                if need[j] == _INF:
+                    continue
+                sources, stage_mem, cache_add, _ = self.transitions(j)
+                through_j = np.maximum(stage_mem, cache_add + need[j])
+                need[sources] = np.minimum(need[sources], through_j)
+            self._finish_need = need
+        return self._finish_need
+
+    def min_budget(self) -> int:
+        """The smallest budget with any strategy: ``g({})`` of :meth:`finish_need`, the
+        same value Kusumoto's binary search on M finds (section 5.1;
+        :meth:`min_budget_by_bisection` does that search, the tests compare them)."""
+        return int(self.finish_need()[0])
+
+    def min_budget_by_bisection(self) -> int:
+        """Binary search on M over :meth:`feasible` (the paper's method). The one-stage
+        strategy needs ``2 mem(V)``, so that is always enough."""
+        hi = int(self.mem_set[-1]) * 2
+        if self.feasible(0):
+            return 0
+        lo = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.feasible(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def time_unit(self, time_steps: int) -> float:
+        """Width of the time buckets: 1 (exact) for whole-number times, else the total
+        forward time / ``time_steps``."""
+        if self.bits.integer_times:
+            return 1.0
+        return max(float(self.bits.t_fwd.sum()), 1e-300) / time_steps
+
+    def solve(self, budget: int | None, objective: str, unit: float,
+              bound: float | None = None) -> tuple[list[int], float] | None:
+        """Algorithm 1: the best sequence of family indices (0 first, the last index last)
+        for the objective ``"tc"`` (least T) or ``"mc"`` (largest T) with its T, or None.
+        States are bucketed by ``floor(t / unit)``. Pruned as well (keeping the optimum):
+        states that cannot finish within the budget (``m + g(L) > M``), and for TC states
+        slower than ``bound``, the T of a strategy already known to fit."""
+        limit = _INF if budget is None else int(budget)
+        need = self.finish_need()
+        slack = math.inf if bound is None else bound + 1e-9 * max(abs(bound), 1.0)
+        cap = 1024
+        st_t = np.zeros(cap)
+        st_m = np.zeros(cap, dtype=np.int64)
+        st_parent = np.full(cap, -1, dtype=np.int64)
+        key_m = np.zeros(cap, dtype=np.complex128)  # (owner, -m), sorted: see below
+        key_t = np.zeros(cap, dtype=np.complex128)  # (owner, t)
+        # States are appended target by target, so each lower set's states are one range.
+        first = np.zeros(self.size, dtype=np.int64)
+        stop = np.zeros(self.size, dtype=np.int64)
+        least_m = np.full(self.size, _INF, dtype=np.int64)
+        stop[0], least_m[0] = 1, 0  # state 0: ({}, t=0, m=0)
+        count = 1
+        for j in range(1, self.size):
+            sources, stage_mem, cache_add, extra_time = self.transitions(j)
+            # Sources none of whose states can afford the stage are skipped before gathering.
+            # A state (L, t, m) may take this step when m + stage <= M and the new cache can
+            # still finish (m + added + g(L') <= M): one cap on m per source.
+            m_cap = np.minimum(limit - stage_mem, limit - need[j] - cache_add)
+            usable = np.flatnonzero(least_m[sources] <= m_cap)
+            if usable.size == 0:
+                continue
+            src = sources[usable]
+            # Each source's states are one range with m strictly decreasing (and for TC t
+            # increasing), so the states that pass the caps are one interval per source,
+            # found by binary search on (owner, -m) and (owner, t) keys.
+            lo = np.searchsorted(key_m[:count], src - 1j * m_cap[usable].astype(np.float64))
+            hi = stop[src]
+            if objective == "tc" and bound is not None:
+                t_cap = slack - extra_time[usable]
+                hi = np.minimum(hi, np.searchsorted(key_t[:count], src + 1j * t_cap, side="right"))
+            lengths = np.maximum(hi - lo, 0)
+            total = int(lengths.sum())
+            if total == 0:
+                continue
+            ends = np.cumsum(lengths)
+            chosen = np.repeat(lo - ends + lengths, lengths) + np.arange(total)
+            slot = np.repeat(usable, lengths)
+            cache = st_m[chosen]
+            # The same tests in exact integers (the keys are floats).
+            ok = cache <= m_cap[slot]
+            chosen, slot, cache = chosen[ok], slot[ok], cache[ok]
+            new_m = cache + cache_add[slot]
+            new_t = st_t[chosen] + extra_time[slot]
+            if objective == "tc" and bound is not None:
+                alive = new_t <= slack
+                chosen, new_m, new_t = chosen[alive], new_m[alive], new_t[alive]
+            if chosen.size == 0:
+                continue
+            keep = _undominated(new_t, new_m, unit, objective)
+            k = keep.size
+            if count + k > cap:
+                cap = max(cap * 2, count + k)
+                st_t = np.resize(st_t, cap)
+                st_m = np.resize(st_m, cap)
+                st_parent = np.resize(st_parent, cap)
+                key_m = np.resize(key_m, cap)
+                key_t = np.resize(key_t, cap)
+            st_t[count:count + k] = new_t[keep]
+            key_m[count:count + k] = j - 1j * new_m[keep].astype(np.float64)
+            key_t[count:count + k] = j + 1j * new_t[keep]
+            st_m[count:count + k] = new_m[keep]
+            st_parent[count:count + k] = chosen[keep]
+            first[j], stop[j] = count, count + k
+            least_m[j] = int(new_m[keep].min())
+            count += k
+        owner = np.zeros(count, dtype=np.int64)
+        for j in np.flatnonzero(stop > first):
+            owner[first[j]:stop[j]] = j
+        if self.size == 1:
+            return [0], 0.0
+        final = np.arange(first[-1], stop[-1])
+        if final.size == 0:
+            return None
+        t_final, m_final = st_t[final], st_m[final]
+        sign = 1.0 if objective == "tc" else -1.0
+        best = final[np.lexsort((m_final, sign * t_final))[0]]
+        sequence = []
+        state = int(best)
+        while state >= 0:
+            sequence.append(int(owner[state]))
+            state = int(st_parent[state])
+        return sequence[::-1], float(st_t[best])
+
+
+def _undominated(t: np.ndarray, m: np.ndarray, unit: float, objective: str) -> np.ndarray:
+    """Indices of the states to keep at one lower set: the least m per time bucket, then only
+    those no other state dominates (TC: no faster state with no more cache; MC: no slower
+    state with no more cache). Linear time: a scatter-min per bucket instead of a sort."""
+    bucket = np.floor(t / unit + 1e-9).astype(np.int64)
+    low = int(bucket.min())
+    bucket -= low
+    buckets = int(bucket.max()) + 1
+    least = np.full(buckets, _INF, dtype=np.int64)
+    np.minimum.at(least, bucket, m)
+    winners = np.flatnonzero(m == least[bucket])
+    representative = np.full(buckets, -1, dtype=np.int64)
+    representative[bucket[winners]] = winners  # one state per bucket among those with least m
+    occupied = np.flatnonzero(representative >= 0)
+    if objective != "tc":
+        occupied = occupied[::-1]  # MC: the slowest bucket first
+    best = least[occupied]
+    best_before = np.r_[_INF, np.minimum.accumulate(best)[:-1]]
+    return representative[occupied[best < best_before]]
+
+
+# ---- evaluating a sequence (the DP's own peak and time) --------------------------------------
+def evaluate_sequence(graph: Graph, stages: list[list[str]]) -> tuple[int, float]:
+    """Peak [eq. 2] and extra time [eq. 1] of the canonical strategy whose stages (forward
+    order) are given; each prefix union must be a lower set."""
+    done: set[str] = set()
+    cache = 0
+    peak = 0
+    extra = 0.0
+    for k, stage in enumerate(stages):
+        previous = set(done)
+        done |= set(stage)
+        out = {w for v in done for w in graph.successors(v)}
+        arriving = out - done
+        needed = {u for w in out for u in graph.predecessors(w)} - done - out
+        stage_peak = (cache + 2 * graph.total("mem", stage) + graph.total("mem", arriving)
+                      + graph.total("mem", needed))
+        peak = max(peak, int(stage_peak))
+        boundary = {v for v in done if any(w not in done for w in graph.successors(v))}
+        if k < len(stages) - 1:
+            extra += graph.total("t_fwd", [v for v in stage if v not in boundary])
+        cache += int(graph.total("mem", boundary - previous))
+    return peak, extra
+
+
+# ---- public solvers --------------------------------------------------------------------------
+def _check_budget(budget_bytes: Any) -> int | None:
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)):
+        raise ValueError(
+            f"budget_bytes={budget_bytes!r} is not a whole number of bytes; pass an int "
+            "(lightning_remat.parse_budget turns '4GiB' or '60%' into one) or None for no limit"
+        )
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes={budget_bytes} is negative; pass bytes >= 0 or None")
+    return int(budget_bytes)
+
+
+_FAMILY_CACHE: OrderedDict[tuple, LowerSetFamily] = OrderedDict()
+_FAMILY_CACHE_SIZE = 8
+
+
+def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
+    """The family of lower sets for a graph, reused across calls on the same graph and
+    costs (auto, min-budget searches and benchmarks call the DP several times)."""
+    if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
+        raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
+    key = (
+        exact,
+        tuple((node.id, node.mem, node.t_fwd) for node in graph.nodes),
+        tuple(graph.edges),
+    )
+    family = _FAMILY_CACHE.get(key)
+    if family is not None and (not exact or family.size <= max_lower_sets):
+        _FAMILY_CACHE.move_to_end(key)
+        return family
+    bits = _graph_bits(graph)
+    sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
+    family = LowerSetFamily(bits, sets)
+    _FAMILY_CACHE[key] = family
+    while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
+        _FAMILY_CACHE.popitem(last=False)
+    return family
+
+
+def _plan_from_sequence(
+    graph: Graph, family: LowerSetFamily, sequence: list[int], solver: str,
+    budget: int | None, notes: list[str], dp_feasible: bool,
+) -> Plan:
+    ids = family.bits.ids
+    stages: list[Stage] = []
+    last = len(sequence) - 1
+    for position, (before, after) in enumerate(zip(sequence, sequence[1:]), start=1):
+        new = np.flatnonzero(family.member[after] & ~family.member[before])
+        nodes = [ids[i] for i in new]
+        # Every stage but the last recomputes Vi \ B(Li); one with nothing to recompute (all
+        # its vertices are cached boundary) is simply kept.
+        recomputed = bool(np.setdiff1d(new, family.boundary_idx[after]).size)
+        action = "recompute" if position < last and recomputed else "keep"
+        stages.append(Stage(nodes, action))
+    dp_peak, extra = family.evaluate(sequence)
+    plan = make_plan(graph, stages, solver, budget, extra_seconds=extra, notes=notes)
+    plan.notes.append(
+        f"DP peak (eq. 2) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
+        f"{len(stages)} stages over {family.size} lower sets"
+    )
+    plan.feasible = dp_feasible
+    return plan
+
+
+def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: str,
+           max_lower_sets: int, time_steps: int) -> Plan:
+    budget = _check_budget(budget_bytes)
+    if time_steps < 1:
+        raise ValueError(f"time_steps={time_steps} must be at least 1")
+    name = "kusumoto-" + ("exact-" if exact else "") + objective
+    family = _family(graph, exact, max_lower_sets)
+    notes: list[str] = []
+    if not family.bits.integer_times:
+        notes.append(f"times bucketed in steps of total forward time / {time_steps}")
+    if len(graph) == 0:
+        return make_plan(graph, [], name, budget, extra_seconds=0.0, notes=["empty graph"])
+    if budget is None and objective == "tc":
+        # No limit: least extra time is no recomputation, one stage.
+        notes.append("no budget: one stage, nothing recomputed")
+        return _plan_from_sequence(graph, family, [0, family.size - 1], name, None, notes, True)
+    if objective == "tc" and budget is not None and budget >= 2 * int(family.mem_set[-1]):
+        # The one-stage strategy's peak (eq. 2) is 2 mem(V): it fits, and nothing is faster.
+        return _plan_from_sequence(graph, family, [0, family.size - 1], name, budget, notes, True)
+    target = budget
+    if budget is None:
+        target = family.min_budget()
+        notes.append(
+            f"no budget: memory-centric strategy at the smallest budget with a solution, {target} bytes"
+        )
+    found = _run(family, target, objective, time_steps)
+    if found is not None:
+        return _plan_from_sequence(graph, family, found, name, budget, notes, True)
+    smallest = family.min_budget()
+    notes.append(
+        f"no strategy has peak <= {budget} bytes; the smallest budget with one is {smallest} "
+        "bytes: this is the strategy for that budget"
+    )
+    found = _run(family, smallest, objective, time_steps)
+    assert found is not None  # g({}) is met by construction
+    return _plan_from_sequence(graph, family, found, name, budget, notes, False)
+
+
+_COARSE_STEPS = 32
+
+
+def _run(family: LowerSetFamily, budget: int | None, objective: str,
+         time_steps: int) -> list[int] | None:
+    """The DP, for TC preceded by a coarse pass (``_COARSE_STEPS`` time buckets) whose
+    strategy's exact T bounds the fine pass: states slower than it cannot lead to the
+    optimum, and at generous budgets most of the fine table is such states."""
+    if budget is not None and family.min_budget() > budget:
+        return None
+    unit = family.time_unit(time_steps)
+    bound = None
+    if objective == "tc":
+        total = float(family.bits.t_fwd.sum())
+        coarse_unit = max(unit, total / _COARSE_STEPS)
+        if coarse_unit > unit:
+            coarse = family.solve(budget, objective, coarse_unit)
+            if coarse is None:
+                return None
+            bound = coarse[1]
+            if bound <= 0.0:
+                return coarse[0]  # nothing recomputed: nothing is faster
+            if not family.bits.integer_times:
+                # Buckets relative to the time that matters (at most the bound), not to
+                # the whole forward: at generous budgets T is a small part of it.
+                unit = max(bound / time_steps, total * 1e-12)
+    result = family.solve(budget, objective, unit, bound)
+    return None if result is None else result[0]
+
+
+def solve_approx_tc(graph: Graph, budget_bytes: int | None, *,
+                    max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
+                    time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
+    """Approximate DP (section 4.3, n + 2 lower sets), time-centric: least extra time among
+    strategies with peak <= budget. Budget None: one stage, nothing recomputed.
+    ``max_lower_sets`` is accepted for a uniform signature and not used."""
+    return _solve(graph, budget_bytes, exact=False, objective="tc",
+                  max_lower_sets=max_lower_sets, time_steps=time_steps)
+
+
+def solve_approx_mc(graph: Graph, budget_bytes: int | None, *,
+                    max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
+                    time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
+    """Approximate DP (section 4.3), memory-centric (section 4.4): the largest extra time
+    among strategies with peak <= budget. Budget None: the smallest budget with a solution
+    (the paper's memory-centric strategy)."""
+    return _solve(graph, budget_bytes, exact=False, objective="mc",
+                  max_lower_sets=max_lower_sets, time_steps=time_steps)
+
+
+def solve_exact_tc(graph: Graph, budget_bytes: int | None, *,
+                   max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
+                   time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
+    """Exact DP (section 4.2, all lower sets), time-centric. Raises ValueError when the
+    graph has more than ``max_lower_sets`` lower sets."""
+    return _solve(graph, budget_bytes, exact=True, objective="tc",
+                  max_lower_sets=max_lower_sets, time_steps=time_steps)
+
+
+def solve_exact_mc(graph: Graph, budget_bytes: int | None, *,
+                   max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
+                   time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
+    """Exact DP (section 4.2), memory-centric (section 4.4)."""
+    return _solve(graph, budget_bytes, exact=True, objective="mc",
+                  max_lower_sets=max_lower_sets, time_steps=time_steps)
+
+
+def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
+                **_: Any) -> int:
+    if len(graph) == 0:
+        return 0
+    return _family(graph, exact, max_lower_sets).min_budget()
+
+
+def min_budget_solve_approx_tc(graph: Graph, **options: Any) -> int:
+    """Smallest budget for which the approximate DP has a strategy (binary search on M over
+    the DP's own feasibility, section 5.1). The same for TC and MC."""
+    return _min_budget(graph, exact=False, **options)
+
+
+def min_budget_solve_approx_mc(graph: Graph, **options: Any) -> int:
+    """See :func:`min_budget_solve_approx_tc`."""
+    return _min_budget(graph, exact=False, **options)
+
+
+def min_budget_solve_exact_tc(graph: Graph, **options: Any) -> int:
+    """Smallest budget for which any canonical strategy exists (exact DP)."""
+    return _min_budget(graph, exact=True, **options)
+
+
+def min_budget_solve_exact_mc(graph: Graph, **options: Any) -> int:
+    """See :func:`min_budget_solve_exact_tc`."""
+    return _min_budget(graph, exact=True, **options)
+

@@ -1,0 +1,294 @@
+"""Kusumoto et al. DP against a brute-force oracle over every increasing sequence of lower
+sets (DESIGN.md 4.4 formulas, written again here independently with plain Python sets)."""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_remat.graph.ir import Graph, Node
+from lightning_remat.solvers import get_solver, min_budget
+from lightning_remat.solvers.kusumoto import (
+    _family,
+    min_budget_solve_approx_tc,
+    min_budget_solve_exact_mc,
+    min_budget_solve_exact_tc,
+    solve_approx_mc,
+    solve_approx_tc,
+    solve_exact_mc,
+    solve_exact_tc,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- the oracle -----------------------------------------------------------------------------
+def all_strategies(graph: Graph) -> list[tuple[int, int]]:
+    """(peak, extra time) of every canonical strategy: every chain {} < L1 < ... < V of
+    lower sets, evaluated with eq. 1 and eq. 2."""
+    vertices = frozenset(graph.ids)
+    succ = {v: set(graph.successors(v)) for v in graph.ids}
+    pred = {v: set(graph.predecessors(v)) for v in graph.ids}
+    mem = {v: graph[v].mem for v in graph.ids}
+    time = {v: int(graph[v].t_fwd) for v in graph.ids}
+    lower_sets = [
+        frozenset(subset)
+        for r in range(len(vertices) + 1)
+        for subset in itertools.combinations(sorted(vertices), r)
+        if all(pred[v] <= set(subset) for v in subset)
+    ]
+
+    def size(s):
+        return sum(mem[v] for v in s)
+
+    results = []
+
+    def walk(current, cache, peak, extra):
+        if current == vertices:
+            results.append((peak, extra))
+            return
+        for nxt in lower_sets:
+            if not (current < nxt):
+                continue
+            stage = nxt - current
+            out = {w for v in nxt for w in succ[v]}
+            needed = {u for w in out for u in pred[w]} - nxt - out
+            stage_peak = cache + 2 * size(stage) + size(out - nxt) + size(needed)
+            boundary = {v for v in nxt if succ[v] - nxt}
+            last = nxt == vertices
+            walk(nxt, cache + size(boundary - current), max(peak, stage_peak),
+                 extra + (0 if last else sum(time[v] for v in stage - boundary)))
+
+    walk(frozenset(), 0, 0, 0)
+    return results
+
+
+@lru_cache(maxsize=256)
+def _cached_strategies(graph_json: str) -> tuple[tuple[int, int], ...]:
+    return tuple(all_strategies(Graph.from_json(graph_json)))
+
+
+def oracle(graph: Graph) -> tuple[tuple[int, int], ...]:
+    return _cached_strategies(graph.to_json())
+
+
+def stages_peak_and_time(graph: Graph, plan) -> tuple[int, int]:
+    """Evaluate a returned plan with the oracle's formulas (same sequence of lower sets)."""
+    stages = [frozenset(s.nodes) for s in plan.stages]
+    prefixes, done = [], frozenset()
+    for s in stages:
+        done = done | s
+        prefixes.append(done)
+    return _evaluate(graph, prefixes)
+
+
+def _evaluate(graph: Graph, prefixes: list[frozenset]) -> tuple[int, int]:
+    cache, peak, extra, current = 0, 0, 0, frozenset()
+    for k, nxt in enumerate(prefixes):
+        stage = nxt - current
+        out = {w for v in nxt for w in graph.successors(v)}
+        needed = {u for w in out for u in graph.predecessors(w)} - nxt - out
+        stage_peak = cache + 2 * sum(graph[v].mem for v in stage) + sum(
+            graph[v].mem for v in out - nxt) + sum(graph[v].mem for v in needed)
+        boundary = {v for v in nxt if set(graph.successors(v)) - nxt}
+        peak = max(peak, stage_peak)
+        if k < len(prefixes) - 1:
+            extra += sum(int(graph[v].t_fwd) for v in stage - boundary)
+        cache += sum(graph[v].mem for v in boundary - current)
+        current = nxt
+    return peak, extra
+
+
+# ---- random small graphs --------------------------------------------------------------------
+@st.composite
+def chains(draw, max_n: int = 7) -> Graph:
+    n = draw(st.integers(1, max_n))
+    mem = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    t = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    return Graph.chain(mem, t_fwd=t)
+
+
+@st.composite
+def dags(draw, max_n: int = 7) -> Graph:
+    """Random DAGs in which every vertex but the first reads at least one earlier one (so the
+    number of lower sets, and the oracle's work, stays small)."""
+    n = draw(st.integers(1, max_n))
+    nodes = [
+        Node(f"v{i}", "op", mem=draw(st.integers(0, 9)), t_fwd=float(draw(st.integers(0, 5))))
+        for i in range(n)
+    ]
+    edges = []
+    for i in range(1, n):
+        preds = draw(st.sets(st.integers(0, i - 1), min_size=1, max_size=min(i, 3)))
+        edges += [(f"v{p}", f"v{i}") for p in sorted(preds)]
+    return Graph(nodes, edges)
+
+
+graphs = st.one_of(chains(), dags())
+
+
+def budget_for(draw_fraction: float, graph: Graph) -> int:
+    top = 2 * int(graph.total("mem")) + 2
+    return int(draw_fraction * top)
+
+
+# ---- optimality -----------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs, fraction=st.floats(0, 1))
+def test_exact_dp_matches_oracle(graph, fraction):
+    budget = budget_for(fraction, graph)
+    strategies = oracle(graph)
+    fitting = [extra for peak, extra in strategies if peak <= budget]
+    tc = solve_exact_tc(graph, budget)
+    mc = solve_exact_mc(graph, budget)
+    assert tc.feasible == bool(fitting) == mc.feasible
+    if fitting:
+        assert tc.predicted_extra_seconds == min(fitting)
+        assert mc.predicted_extra_seconds == max(fitting)
+        for plan in (tc, mc):
+            peak, extra = stages_peak_and_time(graph, plan)
+            assert peak <= budget
+            assert extra == plan.predicted_extra_seconds
+
+
+@SETTINGS
+@given(graph=graphs, fraction=st.floats(0, 1))
+def test_approximate_dp_never_beats_exact_and_is_feasible(graph, fraction):
+    budget = budget_for(fraction, graph)
+    exact_tc, exact_mc = solve_exact_tc(graph, budget), solve_exact_mc(graph, budget)
+    approx_tc, approx_mc = solve_approx_tc(graph, budget), solve_approx_mc(graph, budget)
+    if approx_tc.feasible:
+        assert exact_tc.feasible
+        assert approx_tc.predicted_extra_seconds >= exact_tc.predicted_extra_seconds
+        assert approx_mc.predicted_extra_seconds <= exact_mc.predicted_extra_seconds
+        for plan in (approx_tc, approx_mc):
+            assert stages_peak_and_time(graph, plan)[0] <= budget
+    assert approx_mc.feasible == approx_tc.feasible
+
+
+@SETTINGS
+@given(graph=chains(), fraction=st.floats(0, 1))
+def test_on_chains_approximate_equals_exact(graph, fraction):
+    budget = budget_for(fraction, graph)
+    for approx, exact in ((solve_approx_tc, solve_exact_tc), (solve_approx_mc, solve_exact_mc)):
+        a, e = approx(graph, budget), exact(graph, budget)
+        assert a.feasible == e.feasible
+        assert a.predicted_extra_seconds == e.predicted_extra_seconds
+    assert min_budget_solve_approx_tc(graph) == min_budget_solve_exact_tc(graph)
+
+
+@SETTINGS
+@given(graph=graphs)
+def test_min_budget_is_the_least_peak_of_any_strategy(graph):
+    least = min(peak for peak, _ in oracle(graph))
+    assert min_budget_solve_exact_tc(graph) == least == min_budget_solve_exact_mc(graph)
+    # The one-pass g({}) equals the paper's binary search on M.
+    for family in (_family(graph, True, 10_000), _family(graph, False, 10_000)):
+        assert family.min_budget() == family.min_budget_by_bisection()
+    assert solve_exact_tc(graph, least).feasible
+    if least > 0:
+        assert not solve_exact_tc(graph, least - 1).feasible
+    # The registry's min_budget uses the module's own binary search.
+    assert min_budget(graph, "kusumoto-exact-tc") == least
+    assert min_budget(graph, "kusumoto-tc") >= least
+
+
+def test_stage_memory_counts_forward_values_the_arriving_gradients_need():
+    # Found by random search: the min budget depends on the in(out(L)) \ L \ out(L) term.
+    mems = [2, 4, 3, 0, 6, 5]
+    nodes = [Node(f"v{i}", "op", mem=m, t_fwd=1.0) for i, m in enumerate(mems)]
+    edges = [("v0", "v1"), ("v1", "v2"), ("v0", "v3"), ("v1", "v3"), ("v2", "v3"), ("v0", "v4"),
+             ("v1", "v5"), ("v3", "v5")]
+    graph = Graph(nodes, edges)
+    least = min(peak for peak, _ in oracle(graph))
+    assert min_budget_solve_exact_tc(graph) == least
+
+
+# ---- edge cases -----------------------------------------------------------------------------
+def test_one_vertex():
+    graph = Graph([Node("x", "op", mem=5, t_fwd=3.0)], [])
+    for solver in (solve_approx_tc, solve_approx_mc, solve_exact_tc, solve_exact_mc):
+        plan = solver(graph, 10)
+        assert [s.nodes for s in plan.stages] == [["x"]]
+        assert plan.feasible and plan.predicted_extra_seconds == 0
+        assert not solver(graph, 9).feasible
+    assert min_budget_solve_approx_tc(graph) == 10
+
+
+def test_budget_too_small_returns_best_plan_marked_infeasible():
+    graph = Graph.chain([4, 3, 5, 2, 6], t_fwd=[1, 2, 1, 3, 1])
+    least = min(peak for peak, _ in oracle(graph))
+    plan = solve_approx_tc(graph, least - 1)
+    assert not plan.feasible
+    assert any(str(least) in note for note in plan.notes)
+    # The plan returned is the one for the smallest budget that has a solution.
+    assert stages_peak_and_time(graph, plan)[0] == least
+
+
+def test_no_budget():
+    graph = Graph.chain([4, 3, 5, 2, 6], t_fwd=[1, 2, 1, 3, 1])
+    tc = solve_approx_tc(graph, None)
+    assert len(tc.stages) == 1 and tc.predicted_extra_seconds == 0 and tc.feasible
+    mc = solve_approx_mc(graph, None)  # the memory-centric strategy at the least budget
+    least = min(peak for peak, _ in oracle(graph))
+    assert stages_peak_and_time(graph, mc)[0] == least and mc.feasible
+
+
+def test_ties_give_an_optimal_deterministic_plan():
+    graph = Graph.chain([2] * 6, t_fwd=[1] * 6)
+    strategies = oracle(graph)
+    for budget in (12, 14, 16, 24):
+        fitting = [extra for peak, extra in strategies if peak <= budget]
+        first = solve_exact_tc(graph, budget)
+        again = solve_exact_tc(graph, budget)
+        assert first.to_dict() == again.to_dict()
+        assert first.predicted_extra_seconds == min(fitting)
+        assert solve_approx_mc(graph, budget).predicted_extra_seconds == max(fitting)
+
+
+def test_plan_actions_and_stored_values():
+    graph = Graph.chain([4, 3, 5, 2, 6, 1, 7], t_fwd=[1, 2, 1, 3, 1, 2, 2])
+    plan = solve_approx_mc(graph, min_budget_solve_approx_tc(graph))
+    assert plan.stages[-1].action == "keep"
+    assert any(s.action == "recompute" for s in plan.stages)
+    # Every stage boundary value is stored.
+    for stage in plan.stages[:-1]:
+        assert stage.nodes[-1] in plan.stored
+    plan.validate(graph)
+
+
+def test_exact_dp_refuses_too_many_lower_sets():
+    # 12 independent vertices: 2**12 lower sets.
+    graph = Graph([Node(f"v{i}", "op", mem=1, t_fwd=1.0) for i in range(12)], [])
+    with pytest.raises(ValueError, match="more than 1000 lower sets; raise max_lower_sets"):
+        solve_exact_tc(graph, 10, max_lower_sets=1000)
+    # The approximate DP does not enumerate them.
+    assert solve_approx_tc(graph, 100).stages
+
+
+def test_float_times_are_discretised_but_reported_exactly():
+    graph = Graph.chain([4, 3, 5, 2, 6], t_fwd=[0.1, 0.25, 0.125, 0.3, 0.05])
+    budget = min_budget_solve_approx_tc(graph) + 4
+    plan = solve_approx_tc(graph, budget)
+    recomputed = [v for s in plan.stages[:-1] for v in s.nodes if v != s.nodes[-1]]
+    assert plan.predicted_extra_seconds == pytest.approx(graph.total("t_fwd", recomputed))
+    assert any("bucketed" in note for note in plan.notes)
+
+
+def test_bad_budget_is_explained():
+    graph = Graph.chain([1, 2])
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        solve_approx_tc(graph, 1.5)
+    with pytest.raises(ValueError, match="negative"):
+        solve_approx_tc(graph, -1)
+
+
+def test_registered_names_resolve():
+    graph = Graph.chain([4, 3, 5, 2, 6])
+    for name in ("kusumoto-tc", "kusumoto-mc", "kusumoto-exact-tc", "kusumoto-exact-mc"):
+        plan = get_solver(name)(graph, 40)
+        assert plan.solver == name and plan.feasible

@@ -1,0 +1,210 @@
+"""The simulator against hand-computed timelines (Hong et al. section 4's memory model) and
+against the measured peak of a real step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_remat.graph.ir import Graph, Node
+from lightning_remat.solvers.plan import make_plan
+from lightning_remat.solvers.simulate import simulate
+
+
+def phases(timeline, phase):
+    return [(e.node, e.live_bytes, e.peak_bytes) for e in timeline.events if e.phase == phase]
+
+
+def test_chain_without_meta_holds_saved_blocks_and_frees_dead_values():
+    # mem 10, 20, 40; saved 1, 2, 4 held from each op's forward to its backward.
+    g = Graph.chain([10, 20, 40], saved=[1, 2, 4])
+    t = simulate(g)
+    # forward: v0 (10 + 1); v1 allocates 20 + 2, then v0 dies; v2 likewise (the output
+    # stays until the loss has read it).
+    assert phases(t, "forward") == [("v0", 11, 11), ("v1", 23, 33), ("v2", 47, 67)]
+    # loss: v2's value goes (7 saved left), its gradient (40) appears: 47.
+    # v2's backward allocates v1's gradient (20): 67 with both gradients live (Hong's
+    # "largest output gradient counted twice"), then frees v2's gradient and saved block.
+    assert phases(t, "backward") == [("v2", 23, 67), ("v1", 11, 33), ("v0", 0, 11)]
+    assert t.peak_bytes == 67
+
+
+def relu_linear_bn_chain() -> Graph:
+    nodes = [
+        Node("v0", "Linear", mem=16),  # saves its input: a step input, resident
+        Node("v1", "ReLU", mem=16, saved=16),  # saves its own output
+        Node("v2", "Linear", mem=32, saved=16),  # saves its input v1 (same storage)
+        Node("v3", "BatchNorm1d", mem=32, saved=32 + 8),  # its input v2 plus statistics
+    ]
+    meta = {
+        "saved_refs": {"v1": ["v1"], "v2": ["v1"], "v3": ["v2"]},
+        "param_bytes": {"v0": 100, "v2": 50},
+        "outputs": ["v3"],
+    }
+    return Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")], meta)
+
+
+def test_chain_with_saved_refs_counts_each_storage_once():
+    t = simulate(relu_linear_bn_chain())
+    # v1 is saved by ReLU and by the next Linear: one storage, freed after v1's backward.
+    # v0 is saved by nobody: freed as soon as ReLU has read it.
+    assert phases(t, "forward") == [("v0", 16, 16), ("v1", 16, 32), ("v2", 48, 48), ("v3", 88, 88)]
+    # loss: v3's value (32) goes, its gradient (32) comes: 88.
+    # v3: + grad v2 (32) = 120; - grad v3, statistics, v2 (its only holder was v3) = 48.
+    # v2: + grad v1 (16) + weight grad (50) = 114; - grad v2 = 82.
+    # v1: + grad v0 (16) = 98; - grad v1, v1 itself = 66.
+    # v0: + weight grad (100) = 166; - grad v0 = 150 (parameter gradients stay).
+    assert phases(t, "backward") == [
+        ("v3", 48, 120), ("v2", 82, 114), ("v1", 66, 98), ("v0", 150, 166)]
+    assert t.peak_bytes == 166
+
+
+def diamond(join_op: str, sizes: tuple[int, int, int, int]) -> Graph:
+    nodes = [Node(f"v{i}", op, mem=m) for i, (op, m) in
+             enumerate(zip(["op", "op", "op", join_op], sizes))]
+    edges = [("v0", "v1"), ("v0", "v2"), ("v1", "v3"), ("v2", "v3")]
+    return Graph(nodes, edges, {"saved_refs": {}, "outputs": ["v3"]})
+
+
+def test_diamond_accumulates_the_shared_gradient():
+    t = simulate(diamond("cat", (10, 20, 30, 40)))
+    assert phases(t, "forward") == [("v0", 10, 10), ("v1", 30, 30), ("v2", 50, 60), ("v3", 40, 90)]
+    # v3: grads of v1 and v2 (50) beside its own (40) = 90, then its own goes: 50.
+    # v2: v0's gradient buffer appears (60), v2's goes: 30.
+    # v1: its gradient for v0 (10) is live beside the buffer until the in-place add: 40.
+    assert phases(t, "backward") == [("v3", 50, 90), ("v2", 30, 60), ("v1", 10, 40), ("v0", 0, 10)]
+
+
+def test_add_passes_its_gradient_through_without_a_buffer():
+    t = simulate(diamond("add", (10, 10, 10, 10)))
+    # add's backward hands its gradient (10) to both inputs: nothing new at v3. The buffer
+    # it shares is freed only when both v1's and v2's backward have consumed it.
+    assert phases(t, "backward") == [("v3", 10, 10), ("v2", 20, 20), ("v1", 10, 30), ("v0", 0, 10)]
+
+
+def test_recompute_plan_lowers_the_peak_to_the_hand_computed_figure():
+    g = Graph.chain([10, 10, 10, 10])  # saved = mem, as extra blocks (no meta)
+    plain = simulate(g)
+    assert plain.peak_bytes == 60  # all four saved blocks + output gradient + v2's gradient
+    plan = make_plan(g, [(["v0", "v1"], "recompute"), (["v2", "v3"], "keep")], "test")
+    t = simulate(g, plan)
+    # Forward of the checkpointed stage keeps no saved blocks: live 10 after v0, 10 after
+    # v1 (v0 died). Its recomputation in the backward: v0 (10 + 10 saved) and v1 (10 + 10)
+    # on top of v1's gradient (10): 50, the new peak.
+    assert phases(t, "forward") == [("v0", 10, 20), ("v1", 10, 30), ("v2", 20, 30), ("v3", 30, 40)]
+    assert phases(t, "recompute") == [("v0", 30, 30), ("v1", 30, 50)]
+    assert t.peak_bytes == plan.predicted_peak_bytes == 50 < plain.peak_bytes
+
+
+def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():
+    # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep); nothing saved, so what stays live
+    # between forward and backward is only what the checkpoint keeps: its input v0.
+    nodes = [Node(f"v{i}", "op", mem=m) for i, m in enumerate([100, 10, 10, 1])]
+    g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")],
+              {"saved_refs": {}, "outputs": ["v3"]})
+    plan = make_plan(g, [(["v0"], "keep"), (["v1", "v2"], "recompute"), (["v3"], "keep")], "t")
+    t = simulate(g, plan)
+    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 101]
+    ends = {e.node: e.live_bytes for e in t.events if e.phase == "backward"}
+    # After v1's backward (the stage's last) the checkpoint frame and v0 go: only v0's
+    # gradient (100) remains.
+    assert ends["v2"] >= 100 and ends["v1"] == 100
+
+
+def test_offload_plan_frees_saved_state_between_forward_and_backward():
+    g = Graph.chain([10, 10, 10, 10])
+    plan = make_plan(g, [(["v0", "v1"], "offload"), (["v2", "v3"], "keep")], "test")
+    t = simulate(g, plan)
+    fwd = phases(t, "forward")
+    # v1's forward holds both of its stage's saved blocks (40 at its peak); when the stage
+    # ends they leave the device: v2 starts from v1's value alone.
+    assert fwd[1] == ("v1", 30, 40) and fwd[2] == ("v2", 20, 30)
+    restore = [e for e in t.events if e.phase == "restore"]
+    assert len(restore) == 1 and restore[0].live_bytes == 10 + 20  # v1's grad + copies
+    assert t.peak_bytes == 40 < simulate(g).peak_bytes
+
+
+def random_dag(n: int, seed: int) -> Graph:
+    rng = random.Random(seed)
+    nodes = [Node(f"n{i}", rng.choice(["conv", "add", "ReLU"]), mem=rng.randint(1, 1000),
+                  saved=rng.randint(0, 1000)) for i in range(n)]
+    edges = [(f"n{i - 1}", f"n{i}") for i in range(1, n)]
+    edges += [(f"n{rng.randrange(i)}", f"n{i}") for i in range(2, n) if rng.random() < 0.3]
+    refs = {f"n{i}": [f"n{i - 1}"] for i in range(1, n) if rng.random() < 0.5}
+    # Some ReLUs run in place: their output is their input's storage.
+    aliases = {f"n{i}": f"n{i - 1}" for i in range(1, n)
+               if nodes[i].op == "ReLU" and rng.random() < 0.5}
+    return Graph(nodes, edges, {"saved_refs": refs, "param_bytes": {"n3": 7},
+                                "aliases": aliases})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_byte_is_accounted_for(seed):
+    # Whatever the plan, the step ends with only the parameter gradients live, never with
+    # negative bytes, and each op's peak is at least what is live after it.
+    g = random_dag(60, seed)
+    ids = g.ids
+    plans = [None, make_plan(g, [(ids[:20], "recompute"), (ids[20:40], "offload"),
+                                 (ids[40:], "keep")], "t"),
+             make_plan(g, [(ids[i:i + 7], "recompute") for i in range(0, 60, 7)], "t")]
+    for plan in plans:
+        t = simulate(g, plan)
+        assert t.events[-1].live_bytes == 7
+        assert all(e.live_bytes >= 0 and e.peak_bytes >= e.live_bytes for e in t.events)
+        assert sum(e.phase == "backward" for e in t.events) == len(g)
+
+
+
+_REAL_MLP = r"""
+import json
+from lightning_remat.runtime.memory import peak_bytes, set_mmap_threshold
+set_mmap_threshold()
+import torch
+from torch import nn
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.solvers.simulate import simulate
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+# Activations of 4-8 MiB each, so allocator noise (KiBs) is small beside them.
+model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                      nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
+x = torch.randn(1024, 512)
+target = torch.randint(0, 10, (1024,))
+loss_fn = lambda out: nn.functional.cross_entropy(out, target)
+step = lambda: loss_fn(model(x)).backward()
+step()
+for p in model.parameters():
+    p.grad = None
+measured = peak_bytes(step)
+for p in model.parameters():
+    p.grad = None
+graph = profile_module(model, x, loss_fn=loss_fn, warmup=1, repeats=1)
+print(json.dumps({"measured": measured, "predicted": simulate(graph).peak_bytes}))
+"""
+
+
+def run_isolated(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter with the mmap threshold fixed from its start (the
+    CPU meter's premise, DESIGN.md section 6); its last stdout line is JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_prediction_of_a_real_step_is_within_ten_percent():
+    got = run_isolated(_REAL_MLP)
+    measured, predicted = got["measured"], got["predicted"]
+    assert measured > 40 * 2**20  # the step really holds tens of MiB
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
