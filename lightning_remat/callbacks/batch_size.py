@@ -366,7 +366,6 @@ class RematBatchSizeFinder(Callback):
 
     # ---- the search -----------------------------------------------------------------------
     def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
-        from lightning_remat.runtime.planner import default_budget
         from lightning_remat.strategy import _RematLogic
 
         strategy = trainer.strategy
@@ -388,7 +387,7 @@ class RematBatchSizeFinder(Callback):
             settings["solver_options"] = {"allow_offload": device.type == "cuda"}
         budget_bytes = _absolute_budget(budget)
         if budget_bytes is None:
-            budget_bytes = default_budget(device)
+            budget_bytes = _default_budget(device)
         if budget_bytes is None:
             raise MisconfigurationException(
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
@@ -474,6 +473,14 @@ class RematBatchSizeFinder(Callback):
         if self._early_exit:
             raise _TunerExitException()
         return self.report
+
+
+def _default_budget(device: torch.device, margin: float = 0.1) -> int | None:
+    """Free device memory now, less a safety margin (CUDA); None on CPU (no limit)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * (1 - margin))
 
 
 def _absolute_budget(budget: int | float | str | None) -> int | None:
