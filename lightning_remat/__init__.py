@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Graph", "Node", "Plan", "RematDDPStrategy", "RematError", "RematStrategy", "RematInfeasibleError", "Stage", "TraceError",
-    "__version__", "parse_budget", "remat",
+    "__version__", "find_max_batch_size", "parse_budget", "remat",
 ]
 
 
@@ -27,3 +27,10 @@ def remat(*args: Any, **kwargs: Any) -> Any:
     from lightning_remat.runtime.apply import remat as _remat
 
     return _remat(*args, **kwargs)
+
+
+def find_max_batch_size(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`lightning_remat.callbacks.batch_size.find_max_batch_size`."""
+    from lightning_remat.callbacks.batch_size import find_max_batch_size as _find
+
+    return _find(*args, **kwargs)

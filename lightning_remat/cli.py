@@ -106,6 +106,36 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    import pytorch_lightning as pl
+
+    from lightning_remat.callbacks.batch_size import SyntheticTask, find_max_batch_size
+
+    if not args.device.startswith("cuda") and not args.budget:
+        raise ValueError("tune on CPU needs --budget (bytes or '512MiB'): nothing raises "
+                         "out-of-memory there, so only the budget bounds the batch size")
+    model = load_model(args.model)
+    if not isinstance(model, pl.LightningModule):
+        shape = tuple(int(s) for s in args.input_shape.split(","))
+        model = SyntheticTask(model, shape, batch_size=args.init_val, dtype=args.dtype, vocab=args.vocab)
+    cuda = args.device.startswith("cuda")
+    index = int(args.device.split(":")[1]) if cuda and ":" in args.device else 0
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=[index] if cuda else 1, max_epochs=1,
+        default_root_dir=args.root_dir, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False,
+    )
+    budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
+    report = find_max_batch_size(
+        trainer, model, memory_budget=budget, solver=args.solver, batch_arg_name=args.batch_arg_name,
+        init_val=args.init_val, max_val=args.max_val, steps_per_trial=args.steps_per_trial,
+        max_trials=args.max_trials, granularity=args.granularity, compare_plain=not args.no_plain,
+        storage=args.storage, progress_bar=not args.no_progress,
+    )
+    print(report.table())
+    return 0 if report.batch_size else 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-remat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +170,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--out", help="PNG path (default: beside the event file)")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("tune", help="largest batch size that fits a budget, plain and with remat")
+    p.add_argument("model", help="torchvision model name, or module.path:factory (an nn.Module, or a "
+                   "LightningModule with its own train_dataloader and batch size attribute)")
+    p.add_argument("--input-shape", default="3,224,224", help="per-sample shape, comma separated")
+    p.add_argument("--dtype", choices=["float", "long"], default="float")
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--budget", help="bytes or '6GiB' (required on CPU; default on CUDA: free memory less 10%%)")
+    p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
+    p.add_argument("--batch-arg-name", default="batch_size")
+    p.add_argument("--init-val", type=int, default=2)
+    p.add_argument("--max-val", type=int, default=8192)
+    p.add_argument("--steps-per-trial", type=int, default=3)
+    p.add_argument("--max-trials", type=int, default=25)
+    p.add_argument("--granularity", type=int, default=1)
+    p.add_argument("--no-plain", action="store_true", help="skip plain training's search")
+    p.add_argument("--root-dir", default=".", help="where lightning_remat/batch_size.db goes")
+    p.add_argument("--storage", help="Optuna storage URL (default: SQLite under --root-dir)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_tune)
     return parser
 
 

@@ -1,0 +1,571 @@
+"""``RematBatchSizeFinder``: the largest batch that fits the budget, re-planning for each size.
+
+Lightning's ``BatchSizeFinder`` doubles the batch until an OOM and bisects; it cannot know
+that another rematerialization plan would make a bigger batch fit. This callback runs the
+same kind of search (an Optuna study, see :mod:`lightning_remat.tuning`) where a trial at
+batch size ``b`` is what ``Trainer(strategy=RematStrategy(...))`` would do at ``b``: trace,
+profile, solve for the budget and apply the plan (:class:`~lightning_remat.runtime.planner.ShapePlanner`),
+then run ``steps_per_trial`` real training steps and measure their peak
+(:func:`~lightning_remat.runtime.memory.peak_bytes`). A trial is feasible when a plan
+exists, nothing runs out of memory and the measured peak is within the budget. The same
+search with solver ``"plain"`` (no rematerialization) gives plain training's maximum for
+the report. The weights, optimizer state, BatchNorm statistics and RNG are restored after
+every trial: the search does not train the model.
+
+Conventions follow ``pytorch_lightning.callbacks.BatchSizeFinder``: ``batch_arg_name``
+names an attribute of the model, its ``hparams`` or the datamodule (found with Lightning's
+``lightning_hasattr``), the search runs in ``on_fit_start`` and the largest feasible size is
+written back with ``lightning_setattr``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks.callback import Callback
+from pytorch_lightning.utilities.exceptions import MisconfigurationException, _TunerExitException
+from pytorch_lightning.utilities.parsing import (
+    lightning_getattr,
+    lightning_hasattr,
+    lightning_setattr,
+)
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_remat.budget import parse_budget
+from lightning_remat.runtime.memory import peak_bytes
+from lightning_remat.runtime.state import preserved_training_state
+from lightning_remat.tuning import BatchSizeReport, SearchResult, TrialFn, TrialResult, run_search
+
+PLAIN = "plain"
+
+
+def default_storage(root_dir: str | Path) -> str:
+    """``sqlite:///<root_dir>/lightning_remat/batch_size.db`` (the folder is created)."""
+    folder = Path(root_dir).resolve() / "lightning_remat"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'batch_size.db'}"
+
+
+def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | None, solver: str,
+                   sample_shape: str = "") -> str:
+    """``<ModelClass>|<device>|<budget bytes>|<solver>[|<per-sample input shapes>]``: one
+    study per setting, so a resumed search only reuses trials that measured the same thing."""
+    from lightning_remat.runtime.planner import device_name
+
+    parts = [type(model).__name__, device_name(torch.device(device)), f"{budget_bytes}B", solver]
+    if sample_shape:
+        parts.append(sample_shape)
+    return "|".join(parts)
+
+
+class _Captured(Exception):
+    """Raised by a temporary forward to capture the arguments of the first call."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextlib.contextmanager
+def _forward_replaced(target: nn.Module, forward: Callable[..., Any] | None) -> Iterator[None]:
+    """Run with ``target.forward`` replaced (None: the class's own forward), then put back
+    whatever instance-level forward was there (e.g. the strategy's wrapper)."""
+    had = "forward" in target.__dict__
+    previous = target.__dict__.pop("forward", None)
+    if forward is not None:
+        target.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        target.__dict__.pop("forward", None)
+        if had:
+            target.forward = previous  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _logging_muted(model: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` outside the loop's control flow raises; trials log nothing."""
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    model.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.log
+        del model.log_dict
+
+
+@contextlib.contextmanager
+def _optimizers_preserved(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
+    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    try:
+        yield
+    finally:
+        for opt, state in zip(optimizers, states):
+            opt.load_state_dict(state)
+
+
+def resize_batch(batch: Any, batch_size: int) -> Any:
+    """``batch`` with every tensor's first dimension cut or tiled to ``batch_size`` (a
+    dataset shorter than the batch still gives a batch of the size being measured)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] == batch_size:
+            return batch
+        if batch.shape[0] > batch_size:
+            return batch[:batch_size]
+        reps = -(-batch_size // batch.shape[0])
+        return batch.repeat(reps, *([1] * (batch.dim() - 1)))[:batch_size]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: resize_batch(v, batch_size) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(resize_batch(v, batch_size) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(resize_batch(v, batch_size) for v in batch)
+    return batch
+
+
+def _sample_shape(batch: Any) -> str:
+    shapes: list[str] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            shapes.append("x".join(str(s) for s in value.shape[1:]) or "scalar")
+        elif isinstance(value, Mapping):
+            for k in sorted(value, key=str):
+                visit(value[k])
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    visit(batch)
+    return ",".join(shapes)
+
+
+class LightningTrial:
+    """One trial of the search on a fitting Trainer: ``trial(batch_size) -> TrialResult``.
+
+    With ``solver="plain"`` the model's own forward runs; otherwise a ShapePlanner for
+    ``solver`` and ``budget_bytes`` plans the target (profiling happens outside the
+    measurement) and the steps run the planned module. After one unmeasured warm-up step,
+    each of ``steps_per_trial`` steps is forward + backward inside the meter, then the
+    optimizer step; the state is restored afterwards.
+    """
+
+    def __init__(
+        self, trainer: pl.Trainer, model: pl.LightningModule, *, batch_arg_name: str,
+        steps_per_trial: int, solver: str, budget_bytes: int | None, planner_budget: int | str | None = None,
+        target: str | None = None,
+        profile_repeats: int = 3, safe_profile: bool = False, cache_dir: str | Path | None = None,
+        solver_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.trainer, self.model = trainer, model
+        self.batch_arg_name = batch_arg_name
+        self.steps_per_trial = steps_per_trial
+        self.solver = solver
+        self.budget_bytes = budget_bytes
+        self.planner_budget = planner_budget if planner_budget is not None else budget_bytes
+        self.target = model.get_submodule(target) if target else model
+        self.profile_repeats, self.safe_profile = profile_repeats, safe_profile
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(trainer.default_root_dir) / "lightning_remat"
+        self.solver_options = dict(solver_options or {})
+        self.device = trainer.strategy.root_device
+
+    def batch(self, batch_size: int) -> Any:
+        """A training batch of exactly ``batch_size`` samples on the device."""
+        lightning_setattr(self.model, self.batch_arg_name, batch_size)
+        loader = self.trainer.fit_loop._data_source.dataloader()
+        batch = next(iter(loader))
+        batch = resize_batch(batch, batch_size)
+        return self.trainer.strategy.batch_to_device(batch, self.device)
+
+    def _capture_call(self, batch: Any) -> tuple[tuple, dict]:
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            raise _Captured(args, kwargs)
+
+        with _forward_replaced(self.target, capture):
+            try:
+                self.model.training_step(batch, 0)
+            except _Captured as call:
+                return call.args, call.kwargs
+        raise RuntimeError(
+            "training_step never called the module being planned; pass target= naming the "
+            "submodule that training_step runs"
+        )
+
+    def _step(self, batch: Any) -> None:
+        with self.trainer.precision_plugin.train_step_context():
+            out = self.model.training_step(batch, 0)
+        if not self.model.automatic_optimization:
+            return  # training_step did its own backward and step
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if loss is None:
+            return
+        loss.backward()
+
+    def _optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self.model.automatic_optimization:
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    def __call__(self, batch_size: int) -> TrialResult:
+        model = self.model
+        optimizers = list(self.trainer.optimizers)
+        planned = None
+        with (
+            preserved_training_state(model), _optimizers_preserved(optimizers), _logging_muted(model),
+            _forward_replaced(self.target, None),
+        ):
+            model.train()
+            batch = self.batch(batch_size)
+            forward = None
+            if self.solver != PLAIN:
+                from lightning_remat.runtime.cache import PlanCache
+                from lightning_remat.runtime.planner import ShapePlanner
+
+                args, kwargs = self._capture_call(batch)
+                planner = ShapePlanner(
+                    self.target, self.planner_budget, self.solver,
+                    cache=PlanCache(self.cache_dir / "plans.sqlite"),
+                    profile_repeats=self.profile_repeats, safe_profile=self.safe_profile,
+                    solver_options=self.solver_options,
+                )
+                planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
+                forward = planner
+            peaks: list[int] = []
+            seconds: list[float] = []
+            with _forward_replaced(self.target, forward):
+                # One unmeasured step first: the first run of a kernel at a new shape
+                # allocates lasting caches (oneDNN primitives, cuDNN workspaces, the
+                # optimizer's state) that are not part of a step's peak.
+                self._step(batch)
+                self._optimizer_step(optimizers)
+                for _ in range(self.steps_per_trial):
+                    started = [0.0]
+
+                    def measured_step(batch: Any = batch, started: list[float] = started) -> None:
+                        started[0] = time.perf_counter()
+                        self._step(batch)
+
+                    peaks.append(peak_bytes(measured_step, self.device))
+                    self._optimizer_step(optimizers)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    seconds.append(time.perf_counter() - started[0])
+            del batch
+        peak = max(peaks)
+        step_seconds = sorted(seconds)[len(seconds) // 2]  # median
+        feasible = self.budget_bytes is None or peak <= self.budget_bytes
+        reason = "" if feasible else f"measured peak {peak} B over the budget {self.budget_bytes} B"
+        return TrialResult(
+            feasible=feasible, peak_bytes=peak, seconds=step_seconds, reason=reason,
+            predicted_extra_seconds=planned.plan.predicted_extra_seconds if planned else 0.0,
+            predicted_peak_bytes=planned.plan.predicted_peak_bytes if planned else None,
+            solver=planned.plan.solver if planned else PLAIN,
+        )
+
+
+class RematBatchSizeFinder(Callback):
+    """Finds the largest batch size that trains within the memory budget with
+    rematerialization, and plain training's largest beside it.
+
+    Args:
+        memory_budget: bytes or a size string (``"6GiB"``); default: the RematStrategy's
+            budget, else free device memory less 10% on CUDA. Required on CPU (nothing else
+            limits memory there). A relative budget (``"60%"``) is refused: it would grow
+            with the batch.
+        solver: default: the RematStrategy's solver, else ``"auto"``.
+        batch_arg_name: the attribute holding the batch size, on the model, its ``hparams``
+            or the datamodule (as ``BatchSizeFinder``).
+        init_val: the first size tried; the search doubles from it.
+        max_val: the largest size tried.
+        steps_per_trial: measured training steps per trial.
+        max_trials: at most this many trials per search in one call.
+        granularity: stop when the largest feasible and smallest infeasible size are this
+            close (1: the exact maximum).
+        compare_plain: also search plain training's maximum (solver ``"plain"``) for the report.
+        storage: an Optuna storage URL; default ``sqlite:///<default_root_dir>/lightning_remat/batch_size.db``,
+            so an interrupted search resumes.
+        study_name: prefix of the study names (default: model class, device, budget, solver,
+            input shape).
+        progress_bar: show a tqdm bar per search.
+
+    After the search, ``report`` holds the :class:`~lightning_remat.tuning.BatchSizeReport`
+    (``print(finder.report)`` shows the table) and ``optimal_batch_size`` the size written.
+
+    Example::
+
+        finder = RematBatchSizeFinder(init_val=8, steps_per_trial=2)
+        trainer = Trainer(strategy=RematStrategy(memory_budget="20GiB"), callbacks=[finder])
+        trainer.fit(model)  # searches, sets model.batch_size, then trains with it
+    """
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        solver: str | None = None,
+        batch_arg_name: str = "batch_size",
+        init_val: int = 2,
+        max_val: int = 8192,
+        steps_per_trial: int = 3,
+        max_trials: int = 25,
+        granularity: int = 1,
+        compare_plain: bool = True,
+        storage: str | None = None,
+        study_name: str | None = None,
+        progress_bar: bool = True,
+    ) -> None:
+        from lightning_remat.solvers import SOLVERS
+        from lightning_remat.tuning import _check_search_args
+
+        _check_search_args(init_val, max_val, granularity)
+        if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
+            raise ValueError(f"steps_per_trial={steps_per_trial!r} must be an int >= 1")
+        if solver is not None and solver not in SOLVERS:
+            raise ValueError(f"solver={solver!r}: choose one of {sorted(SOLVERS)}")
+        _absolute_budget(memory_budget)
+        self.memory_budget = memory_budget
+        self.solver = solver
+        self.batch_arg_name = batch_arg_name
+        self.init_val, self.max_val = init_val, max_val
+        self.steps_per_trial, self.max_trials, self.granularity = steps_per_trial, max_trials, granularity
+        self.compare_plain = compare_plain
+        self.storage = storage
+        self.study_name = study_name
+        self.progress_bar = progress_bar
+        self.report: BatchSizeReport | None = None
+        self.optimal_batch_size: int | None = None
+        self._early_exit = False
+
+    # ---- Lightning hooks ------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
+        if trainer._accelerator_connector.is_distributed:
+            raise MisconfigurationException("RematBatchSizeFinder does not support distributed strategies; "
+                                            "run it on one device, then train with remat_ddp")
+        if stage == "fit" and not trainer.fit_loop._data_source.is_module():
+            raise MisconfigurationException(
+                "RematBatchSizeFinder cannot change the batch size of dataloaders passed directly to "
+                "`.fit()`: define train_dataloader in the LightningModule or a LightningDataModule"
+            )
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise MisconfigurationException(
+                f"Field {self.batch_arg_name} not found in `model`, `datamodule`, nor their `hparams` "
+                "attributes: add it, or pass batch_arg_name="
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.scale_batch_size(trainer, pl_module)
+
+    # ---- the search -----------------------------------------------------------------------
+    def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
+        from lightning_remat.strategy import _RematLogic
+
+        strategy = trainer.strategy
+        settings: dict[str, Any] = {"target": None, "profile_repeats": 3, "safe_profile": False,
+                                    "cache_dir": None, "solver_options": {}}
+        budget = self.memory_budget
+        solver = self.solver
+        if isinstance(strategy, _RematLogic):
+            budget = budget if budget is not None else strategy.memory_budget
+            solver = solver or strategy.solver
+            settings.update(target=strategy.target, profile_repeats=strategy.profile_steps,
+                            safe_profile=strategy.safe_profile, cache_dir=strategy.cache_dir)
+            if (solver == "auto") and strategy.solver == "auto":
+                settings["solver_options"] = strategy._solver_options()
+        solver = solver or "auto"
+        device = strategy.root_device
+        if solver == "auto" and not settings["solver_options"]:
+            # Offloading to host memory only saves device memory when there is a device.
+            settings["solver_options"] = {"allow_offload": device.type == "cuda"}
+        budget_bytes = _absolute_budget(budget)
+        if budget_bytes is None:
+            budget_bytes = _default_budget(device)
+        if budget_bytes is None:
+            raise MisconfigurationException(
+                "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
+                "raises out-of-memory there, so only the budget can bound the batch size"
+            )
+        # The planner gets the budget as written (so its plan-cache key matches the
+        # strategy's and training at the found size reuses the trial's plan), or bytes.
+        planner_budget = budget if budget is not None else budget_bytes
+        settings.update(solver=solver, budget_bytes=budget_bytes, device=device, planner_budget=planner_budget)
+        return settings
+
+    def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
+                solver: str, label: str, settings: dict[str, Any], init_val: int, sample_shape: str) -> SearchResult:
+        storage = self.storage or default_storage(trainer.default_root_dir)
+        name = study_name_for(pl_module, settings["device"], settings["budget_bytes"], solver, sample_shape)
+        if self.study_name:
+            name = f"{self.study_name}|{name}"
+        return run_search(
+            trial_fn, init_val=init_val, max_val=self.max_val, granularity=self.granularity,
+            max_trials=self.max_trials, storage=storage, study_name=name, label=label,
+            solver=solver, progress_bar=self.progress_bar,
+        )
+
+    def make_trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, solver: str,
+                   settings: dict[str, Any]) -> TrialFn:
+        """The trial function for one solver (override to measure differently)."""
+        return LightningTrial(
+            trainer, pl_module, batch_arg_name=self.batch_arg_name, steps_per_trial=self.steps_per_trial,
+            solver=solver, budget_bytes=settings["budget_bytes"], planner_budget=settings["planner_budget"],
+            target=settings["target"],
+            profile_repeats=settings["profile_repeats"], safe_profile=settings["safe_profile"],
+            cache_dir=settings["cache_dir"],
+            solver_options=settings["solver_options"] if solver != PLAIN else {},
+        )
+
+    def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BatchSizeReport:
+        """Run the searches, write the answer to ``batch_arg_name`` and keep the report."""
+        settings = self._settings(trainer)
+        original = lightning_getattr(pl_module, self.batch_arg_name)
+        bar = trainer.progress_bar_callback
+        if bar is not None:
+            bar.disable()
+        # The CPU meter calls gc.collect() around every step; with the objects alive now
+        # moved out of the collector's reach it takes milliseconds instead of half a second.
+        gc.collect()
+        gc.freeze()
+        try:
+            sample_shape = ""
+            with contextlib.suppress(Exception):  # the name is only a label; never fail on it
+                loader = trainer.fit_loop._data_source.dataloader()
+                sample_shape = _sample_shape(next(iter(loader)))
+            plain = None
+            init_val = self.init_val
+            if self.compare_plain and settings["solver"] != PLAIN:
+                plain = self._search(trainer, pl_module, self.make_trial(trainer, pl_module, PLAIN, settings),
+                                     PLAIN, "plain", settings, self.init_val, sample_shape)
+                # Remat fits at least what plain training fits (same budget): start there.
+                if plain.largest_feasible and plain.largest_feasible <= self.max_val:
+                    init_val = plain.largest_feasible
+            remat = self._search(trainer, pl_module,
+                                 self.make_trial(trainer, pl_module, settings["solver"], settings),
+                                 settings["solver"], "remat" if settings["solver"] != PLAIN else PLAIN,
+                                 settings, init_val, sample_shape)
+        finally:
+            gc.unfreeze()
+            if bar is not None:
+                bar.enable()
+            lightning_setattr(pl_module, self.batch_arg_name, original)
+        self.report = BatchSizeReport(
+            model=type(pl_module).__name__, device=str(settings["device"]),
+            budget_bytes=settings["budget_bytes"], remat=remat, plain=plain,
+        )
+        self.optimal_batch_size = remat.largest_feasible
+        if remat.largest_feasible is None:
+            rank_zero_info("lightning-remat: no batch size fits the budget, not even "
+                           f"{remat.smallest_infeasible}; batch size left at {original}")
+        else:
+            lightning_setattr(pl_module, self.batch_arg_name, remat.largest_feasible)
+        if not self._early_exit:  # find_max_batch_size returns the report to its caller instead
+            rank_zero_info(self.report.table())
+        # The fit loop builds its dataloaders after this hook, with the new size.
+        trainer.fit_loop._combined_loader = None
+        if self._early_exit:
+            raise _TunerExitException()
+        return self.report
+
+
+def _default_budget(device: torch.device, margin: float = 0.1) -> int | None:
+    """Free device memory now, less a safety margin (CUDA); None on CPU (no limit)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free * (1 - margin))
+
+
+def _absolute_budget(budget: int | float | str | None) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
+        raise ValueError(
+            f"memory_budget={budget!r} is relative to the plain peak, which grows with the batch "
+            "size; the batch-size search needs an absolute budget such as '6GiB' or 512 * 2**20"
+        )
+    return parse_budget(budget)
+
+
+def find_max_batch_size(
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None = None,
+    **finder_kwargs: Any,
+) -> BatchSizeReport:
+    """Search without adding the callback yourself (as Lightning's ``Tuner.scale_batch_size``):
+    runs ``trainer.fit`` up to ``on_fit_start``, searches, writes the largest feasible size to
+    ``batch_arg_name`` and returns the report. ``finder_kwargs`` are
+    :class:`RematBatchSizeFinder`'s arguments."""
+    finder = RematBatchSizeFinder(**finder_kwargs)
+    finder._early_exit = True
+    trainer.callbacks = [finder, *trainer.callbacks]
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    finally:
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not finder]
+    if finder.report is None:
+        raise RuntimeError("the batch-size search did not run (is fast_dev_run set, or did fit fail?)")
+    return finder.report
+
+
+class SyntheticTask(pl.LightningModule):
+    """A LightningModule around any ``nn.Module`` on random inputs, for measuring memory
+    (``lightning-remat tune``): the loss is the mean square of every floating output, so
+    the backward runs through the whole model whatever its head."""
+
+    def __init__(self, model: nn.Module, sample_shape: tuple[int, ...], batch_size: int = 2,
+                 dtype: str = "float", vocab: int = 1000, samples: int = 1 << 16) -> None:
+        super().__init__()
+        self.model = model
+        self.sample_shape = tuple(sample_shape)
+        self.batch_size = batch_size
+        self.dtype_name = dtype
+        self.vocab = vocab
+        self.samples = samples
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        outputs: list[torch.Tensor] = []
+
+        def visit(value: Any) -> None:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                outputs.append(value)
+            elif isinstance(value, Mapping):
+                for v in value.values():
+                    visit(v)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    visit(v)
+
+        visit(self(batch))
+        if not outputs:
+            raise ValueError("the model returned no floating-point tensor to take a loss from")
+        return sum(o.float().pow(2).mean() for o in outputs)  # type: ignore[return-value]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        shape, vocab, is_long = self.sample_shape, self.vocab, self.dtype_name == "long"
+
+        class Random(torch.utils.data.Dataset):
+            def __len__(self) -> int:
+                return 1 << 16
+
+            def __getitem__(self, index: int) -> torch.Tensor:
+                g = torch.Generator().manual_seed(index)
+                if is_long:
+                    return torch.randint(0, vocab, shape, generator=g)
+                return torch.randn(*shape, generator=g)
+
+        return torch.utils.data.DataLoader(Random(), batch_size=self.batch_size)

@@ -1,0 +1,482 @@
+"""The largest feasible batch size: an Optuna study over one integer (issue 7, DESIGN.md section 7).
+
+A *trial* is a function ``batch_size -> TrialResult``: plan for that batch size, run a few
+real steps and measure the peak (see :mod:`lightning_remat.callbacks.batch_size` for the
+Lightning trial). This module holds what does not depend on Lightning:
+
+- :class:`BisectionSampler`, an Optuna sampler that exploits monotone feasibility (a batch
+  that fits means every smaller one fits): it doubles from ``init_val`` until the first
+  infeasible size, then bisects between the largest feasible and the smallest infeasible
+  size seen. Its proposals depend only on the finished trials stored in the study, so a
+  study resumed from SQLite continues where it stopped and never repeats a size.
+- :func:`run_search`, which drives the study: one Optuna trial per size the sampler
+  proposes, infeasible results (no plan, OOM, peak over budget) recorded as completed trials
+  that violate the constraint ``within_budget``, never as crashes.
+- :class:`SearchResult` and :class:`BatchSizeReport`, with the table printed at the end.
+
+Objectives (Optuna multi-objective, both maximised): the batch size and the measured
+samples per second, so ``study.best_trials`` is the Pareto front of feasible trials.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, IntDistribution
+from optuna.samplers import BaseSampler
+from optuna.study import Study
+from optuna.trial import FrozenTrial, TrialState
+
+from lightning_remat.errors import format_bytes
+
+PARAM = "batch_size"
+"""The one parameter of a batch-size study."""
+
+
+@dataclass
+class TrialResult:
+    """What one trial found at one batch size.
+
+    ``seconds`` is the wall time of one training step (measured steps after the first);
+    ``predicted_extra_seconds`` the plan's predicted recomputation/offload time per step.
+    """
+
+    feasible: bool
+    peak_bytes: int | None = None
+    seconds: float | None = None
+    reason: str = ""
+    predicted_extra_seconds: float | None = None
+    predicted_peak_bytes: int | None = None
+    solver: str | None = None
+
+
+TrialFn = Callable[[int], TrialResult]
+
+
+@dataclass
+class TrialRecord:
+    """A finished trial as the study stores it."""
+
+    number: int
+    batch_size: int
+    feasible: bool
+    peak_bytes: int | None
+    seconds: float | None
+    reason: str
+    predicted_extra_seconds: float | None
+    solver: str | None
+
+    @property
+    def samples_per_second(self) -> float | None:
+        if not self.feasible or not self.seconds:
+            return None
+        return self.batch_size / self.seconds
+
+    @property
+    def extra_seconds_per_sample(self) -> float | None:
+        if self.predicted_extra_seconds is None:
+            return None
+        return self.predicted_extra_seconds / self.batch_size
+
+    @classmethod
+    def from_frozen(cls, trial: FrozenTrial) -> TrialRecord:
+        attrs = dict(trial.user_attrs.get("result", {}), feasible=trial.user_attrs.get("feasible"))
+        return cls(
+            number=trial.number,
+            batch_size=int(trial.params[PARAM]),
+            feasible=bool(attrs.get("feasible", False)),
+            peak_bytes=attrs.get("peak_bytes"),
+            seconds=attrs.get("seconds"),
+            reason=str(attrs.get("reason", "")),
+            predicted_extra_seconds=attrs.get("predicted_extra_seconds"),
+            solver=attrs.get("solver"),
+        )
+
+
+def finished_records(study: Study) -> list[TrialRecord]:
+    """Completed trials that carry a batch size and a feasibility verdict, in order."""
+    out = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if PARAM in trial.params and "feasible" in trial.user_attrs:
+            out.append(TrialRecord.from_frozen(trial))
+    return out
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """What the finished trials say: every size <= ``largest_feasible`` fits (0 when none
+    tried fits), every size >= ``smallest_infeasible`` does not (None when none failed).
+    ``monotone`` is False when some feasible size lies above an infeasible one (measurement
+    noise); the bracket then trusts the smallest infeasible size."""
+
+    largest_feasible: int
+    smallest_infeasible: int | None
+    monotone: bool = True
+
+
+def bracket(records: Sequence[tuple[int, bool]]) -> Bracket:
+    """The bracket of ``(batch_size, feasible)`` pairs."""
+    infeasible = [b for b, ok in records if not ok]
+    hi = min(infeasible) if infeasible else None
+    feasible = [b for b, ok in records if ok]
+    below = [b for b in feasible if hi is None or b < hi]
+    monotone = len(below) == len(feasible)
+    return Bracket(max(below, default=0), hi, monotone)
+
+
+def next_batch_size(
+    records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1
+) -> int | None:
+    """The next size to try, or None when the answer is known.
+
+    Doubling phase (no infeasible size yet): ``init_val``, then twice the largest feasible
+    size, capped at ``max_val``. Bisection phase: the midpoint of the bracket, until the
+    largest feasible and the smallest infeasible size are ``granularity`` apart (1: exact).
+    These are the steps of Lightning's ``BatchSizeFinder(mode="binsearch")`` (double until
+    the first OOM, then bisect), so on the same feasibility it tries the same sizes, but
+    read from the stored trials rather than from loop variables.
+    """
+    br = bracket(records)
+    lo, hi = br.largest_feasible, br.smallest_infeasible
+    if hi is None:
+        if lo == 0:
+            return min(init_val, max_val)
+        if lo >= max_val:
+            return None
+        return min(2 * lo, max_val)
+    if hi - lo <= granularity:
+        return None
+    return (lo + hi) // 2
+
+
+class BisectionSampler(BaseSampler):
+    """Optuna sampler for the largest feasible batch size under monotone feasibility.
+
+    Feasibility is monotone in the batch size (activations grow with it; a plan for a
+    bigger batch fits a smaller one), so the search needs only the bracket
+    ``[largest feasible, smallest infeasible)``: double from ``init_val`` until the first
+    infeasible size, then bisect the bracket until its ends are ``granularity`` apart. That
+    gives the exact maximum in at most ``log2(max / init_val) + 1 + log2(max)`` trials.
+
+    The sampler keeps no state of its own: each proposal is computed from the study's
+    completed trials (their ``batch_size`` parameter and ``feasible`` user attribute), so a
+    study loaded from storage after an interruption continues where it stopped. Failed
+    trials (crashes) are not counted, so their size is tried again.
+
+    Any parameter other than ``batch_size`` is delegated to ``fallback`` (random sampling).
+    """
+
+    def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
+                 fallback: BaseSampler | None = None) -> None:
+        _check_search_args(init_val, max_val, granularity)
+        self.init_val = init_val
+        self.max_val = max_val
+        self.granularity = granularity
+        self._fallback = fallback or optuna.samplers.RandomSampler()
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study: Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return {}
+
+    def proposal(self, study: Study) -> int | None:
+        """The size the next trial will get (None: the search is finished)."""
+        pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
+        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity)
+
+    def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        if param_name != PARAM:
+            return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+        proposed = self.proposal(study)
+        if proposed is None:
+            # Asked past the end: re-check the boundary (the answer) rather than fail.
+            proposed = max(1, bracket([(r.batch_size, r.feasible) for r in finished_records(study)]).largest_feasible)
+        assert isinstance(param_distribution, IntDistribution)
+        return int(min(max(proposed, param_distribution.low), param_distribution.high))
+
+
+def _check_search_args(init_val: int, max_val: int, granularity: int) -> None:
+    for name, value in (("init_val", init_val), ("max_val", max_val), ("granularity", granularity)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if init_val > max_val:
+        raise ValueError(f"init_val={init_val} is above max_val={max_val}; lower init_val or raise max_val")
+
+
+@dataclass
+class SearchResult:
+    """One search (one solver): the bracket and every finished trial of the study."""
+
+    label: str
+    solver: str
+    largest_feasible: int | None
+    smallest_infeasible: int | None
+    trials: list[TrialRecord]
+    trials_run: int
+    """Trials this call ran (a resumed study ran the rest before)."""
+    study_name: str
+    storage: str | None
+    monotone: bool = True
+    finished: bool = True
+    """False when ``max_trials`` stopped the search before the bracket closed."""
+    pareto: list[TrialRecord] = field(default_factory=list)
+    """Feasible trials no other feasible trial beats in both batch size and samples/s."""
+
+    def trial_at(self, batch_size: int | None) -> TrialRecord | None:
+        for record in self.trials:
+            if record.batch_size == batch_size and record.feasible:
+                return record
+        return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error from any device (CUDA, MPS, the CPU allocator)."""
+    import torch
+
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(
+        exc, getattr(torch.cuda, "OutOfMemoryError", ())
+    ):
+        return True
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, RuntimeError):
+        from pytorch_lightning.utilities.memory import is_oom_error
+
+        text = str(exc)
+        return is_oom_error(exc) or "out of memory" in text.lower()
+    return False
+
+
+def free_device_memory() -> None:
+    """Release what a failed trial left behind so the next trial starts clean."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_trial_safely(trial_fn: TrialFn, batch_size: int) -> TrialResult:
+    """Call ``trial_fn``; an OOM or RematInfeasibleError becomes an infeasible result
+    (device memory released), any other exception propagates."""
+    from lightning_remat.errors import RematInfeasibleError
+
+    try:
+        return trial_fn(batch_size)
+    except RematInfeasibleError as exc:
+        return TrialResult(False, reason=f"no plan: {exc}")
+    except BaseException as exc:
+        if not is_oom(exc):
+            raise
+        reason = f"out of memory: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
+    # Outside the except block: the exception and its traceback's frames (which hold the
+    # failed step's tensors) are gone, so their memory can really be released.
+    free_device_memory()
+    return TrialResult(False, reason=reason)
+
+
+def run_search(
+    trial_fn: TrialFn,
+    *,
+    init_val: int = 2,
+    max_val: int = 8192,
+    granularity: int = 1,
+    max_trials: int = 25,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    study_name: str = "lightning_remat-batch_size",
+    label: str = "remat",
+    solver: str = "",
+    progress_bar: bool = False,
+) -> SearchResult:
+    """Find the largest batch size ``trial_fn`` calls feasible (exact within ``granularity``).
+
+    ``storage`` is any Optuna storage (URL such as ``sqlite:///path.db`` or
+    ``postgresql://...``); None keeps the study in memory. A study of that name already in
+    the storage is continued. ``max_trials`` bounds the trials of this call.
+    """
+    _check_search_args(init_val, max_val, granularity)
+    if not isinstance(max_trials, int) or max_trials < 1:
+        raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = BisectionSampler(init_val, max_val, granularity)
+    study = optuna.create_study(
+        storage=storage, study_name=study_name, sampler=sampler,
+        directions=["maximize", "maximize"], load_if_exists=True,
+    )
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        batch_size = trial.suggest_int(PARAM, 1, max_val)
+        result = run_trial_safely(trial_fn, batch_size)
+        feasible = bool(result.feasible)
+        attrs = {
+            "peak_bytes": _int_or_none(result.peak_bytes),
+            "seconds": result.seconds, "reason": result.reason,
+            "predicted_extra_seconds": result.predicted_extra_seconds,
+            "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
+            "solver": result.solver,
+        }
+        # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
+        trial.set_user_attr("result", attrs)
+        trial.set_user_attr("feasible", feasible)
+        _set_constraint(trial, 0.0 if feasible else 1.0)
+        throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
+        return float(batch_size), float(throughput)
+
+    bar = _progress(progress_bar, label)
+    trials_run = 0
+    try:
+        while trials_run < max_trials:
+            proposed = sampler.proposal(study)
+            if proposed is None:
+                break
+            if bar is not None:
+                br = bracket([(r.batch_size, r.feasible) for r in finished_records(study)])
+                bar.set_postfix_str(f"trying {proposed}, fits {br.largest_feasible or '-'}, "
+                                    f"fails {br.smallest_infeasible or '-'}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.optimize(objective, n_trials=1, catch=())
+            trials_run += 1
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    records = finished_records(study)
+    br = bracket([(r.batch_size, r.feasible) for r in records])
+    if not br.monotone:
+        warnings.warn(
+            f"lightning-remat batch-size search ({label}): a size above the smallest infeasible "
+            f"one ({br.smallest_infeasible}) was feasible; measurements near the budget are noisy. "
+            "The answer trusts the smallest infeasible size.", stacklevel=2,
+        )
+    feasible = [r for r in records if r.feasible]
+    return SearchResult(
+        label=label, solver=solver,
+        largest_feasible=br.largest_feasible or None,
+        smallest_infeasible=br.smallest_infeasible,
+        trials=records, trials_run=trials_run, study_name=study_name,
+        storage=storage if isinstance(storage, str) or storage is None else type(storage).__name__,
+        monotone=br.monotone,
+        finished=sampler.proposal(study) is None,
+        pareto=pareto_front(feasible),
+    )
+
+
+def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """Trials not dominated in (batch size, samples/s), by increasing batch size (the same
+    set as Optuna's ``study.best_trials`` over the feasible trials)."""
+    points = [r for r in records if r.samples_per_second is not None]
+    front = []
+    for r in points:
+        dominated = any(
+            o.batch_size >= r.batch_size and o.samples_per_second >= r.samples_per_second  # type: ignore[operator]
+            and (o.batch_size > r.batch_size or o.samples_per_second > r.samples_per_second)  # type: ignore[operator]
+            for o in points
+        )
+        if not dominated:
+            front.append(r)
+    return sorted(front, key=lambda r: r.batch_size)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _set_constraint(trial: optuna.Trial, value: float) -> None:
+    """Mark the trial feasible (<= 0) or not for Optuna's constrained Pareto front."""
+    if hasattr(trial, "set_constraint"):  # Optuna >= 5
+        trial.set_constraint("within_budget", value)
+    else:
+        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
+
+        trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (value,))
+
+
+def _progress(enabled: bool, label: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(desc=f"batch size ({label})", unit="trial", leave=False, dynamic_ncols=True)
+
+
+# ---- the report ------------------------------------------------------------------------------
+@dataclass
+class BatchSizeReport:
+    """Plain training's maximum beside rematerialization's, for one model, device, budget."""
+
+    model: str
+    device: str
+    budget_bytes: int | None
+    remat: SearchResult
+    plain: SearchResult | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        """The largest feasible batch size with rematerialization (what the finder writes)."""
+        return self.remat.largest_feasible
+
+    def table(self) -> str:
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
+        lines = [f"lightning-remat batch-size search: {self.model} on {self.device}, budget {budget}", ""]
+        header = (f"{'mode':<8} {'solver':<12} {'largest fits':>12} {'smallest fails':>14} {'trials':>6}"
+                  f" {'peak at max':>12} {'samples/s':>10} {'extra/sample':>13}")
+        lines += [header, "-" * len(header)]
+        searches = [s for s in (self.plain, self.remat) if s is not None]
+        for s in searches:
+            best = s.trial_at(s.largest_feasible)
+            lines.append(
+                f"{s.label:<8} {s.solver or '-':<12} {_cell(s.largest_feasible):>12}"
+                f" {_cell(s.smallest_infeasible):>14} {len(s.trials):>6}"
+                f" {_cell(best and best.peak_bytes, format_bytes):>12}"
+                f" {_cell(best and best.samples_per_second, lambda v: f'{v:.1f}'):>10}"
+                f" {_cell(best and best.extra_seconds_per_sample, _ms):>13}"
+            )
+        if self.plain is not None and self.plain.largest_feasible and self.remat.largest_feasible:
+            lines.append(f"rematerialization fits {self.remat.largest_feasible / self.plain.largest_feasible:.2f}x "
+                         "plain training's largest batch")
+        lines += ["", "trials (in the order run; extra = the plan's predicted recompute/offload time)"]
+        header = (f"{'mode':<8} {'#':>3} {'batch':>6} {'fits':>5} {'peak':>12} {'s/step':>9}"
+                  f" {'samples/s':>10} {'extra/sample':>13}  note")
+        lines += [header, "-" * len(header)]
+        for s in searches:
+            for r in s.trials:
+                lines.append(
+                    f"{s.label:<8} {r.number:>3} {r.batch_size:>6} {'yes' if r.feasible else 'no':>5}"
+                    f" {_cell(r.peak_bytes, format_bytes):>12} {_cell(r.seconds, lambda v: f'{v:.4f}'):>9}"
+                    f" {_cell(r.samples_per_second, lambda v: f'{v:.1f}'):>10}"
+                    f" {_cell(r.extra_seconds_per_sample, _ms):>13}  {r.reason}"
+                )
+        for s in searches:
+            if s.pareto:
+                front = ", ".join(f"({r.batch_size}, {r.samples_per_second:.1f})" for r in s.pareto)
+                lines.append(f"\nPareto front {s.label} (batch size, samples/s): {front}")
+            if not s.finished:
+                lines.append(f"note: {s.label}: max_trials reached before the bracket closed")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _cell(value: Any, fmt: Callable[[Any], str] = str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt(value)
