@@ -357,7 +357,6 @@ def _pipeline_missing() -> str | None:
         import lightning_remat.runtime.apply  # noqa: F401
         from lightning_remat.graph.profile import profile_module  # noqa: F401
         from lightning_remat.graph.trace import trace_module  # noqa: F401
-
         from lightning_remat.solvers import get_solver
 
         get_solver("kusumoto-tc")
