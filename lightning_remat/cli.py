@@ -69,12 +69,12 @@ def _print_plan(plan, graph) -> None:
 def _cmd_solve(args: argparse.Namespace) -> int:
     from lightning_remat.budget import parse_budget
     from lightning_remat.graph.ir import Graph
-    from lightning_remat.solvers import get_solver, min_budget, plain_plan
+    from lightning_remat.solvers import fits, get_solver, min_budget, plain_plan
 
     graph = Graph.load(args.graph)
     budget = parse_budget(args.budget, plain_plan(graph).predicted_peak_bytes)
     plan = get_solver(args.solver)(graph, budget)
-    if not plan.feasible:
+    if not fits(plan, budget):
         raise RematInfeasibleError(budget or 0, min_budget(graph, args.solver), args.solver)
     if args.json:
         print(plan.to_json(indent=1))

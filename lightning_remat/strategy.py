@@ -106,7 +106,9 @@ class _RematLogic:
         self._target_module = module
 
     def _solver_options(self) -> dict[str, Any]:
-        return {"allow_offload": self.offload} if self.solver == "auto" else {}
+        from lightning_remat.runtime.apply import auto_options
+
+        return auto_options(self.solver, self.root_device, self.offload)
 
     @staticmethod
     def _add_dashboards(trainer: Any) -> bool:

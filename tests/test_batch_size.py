@@ -369,14 +369,16 @@ def _pipeline_missing() -> str | None:
 def test_remat_search_uses_the_strategy_budget_and_fits_at_least_plain(tmp_path):
     from lightning_remat import RematStrategy
 
-    budget = 2 * 2**20
-    model = SizedConvNet(batch_size=2, image=16, samples=256)
+    # Activations of a few hundred KiB, well above the meter's 64 KiB resolution, so the
+    # simulator's prediction is as close to the measurement as on real models.
+    budget = 8 * 2**20
+    model = SizedConvNet(batch_size=2, image=32, samples=256)
     before = _state(model)
     trainer = small_trainer(tmp_path, max_epochs=1,
-                            strategy=RematStrategy(memory_budget=budget, solver="kusumoto-tc", profile_steps=1,
+                            strategy=RematStrategy(memory_budget=budget, solver="auto", profile_steps=1,
                                                    offload=False))
     report = find_max_batch_size(trainer, model, init_val=2, max_val=256, steps_per_trial=1, progress_bar=False)
-    assert report.budget_bytes == budget and report.remat.solver == "kusumoto-tc"
+    assert report.budget_bytes == budget and report.remat.solver == "auto"
     plain, remat = report.plain, report.remat
     assert plain is not None and plain.largest_feasible and remat.largest_feasible
     assert remat.largest_feasible >= plain.largest_feasible

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_remat.graph.ir import Graph, Node
-from lightning_remat.solvers import get_solver, min_budget
+from lightning_remat.solvers import fits, get_solver, min_budget
 from lightning_remat.solvers.kusumoto import (
     _family,
     min_budget_solve_approx_tc,
@@ -192,8 +192,11 @@ def test_min_budget_is_the_least_peak_of_any_strategy(graph):
     assert solve_exact_tc(graph, least).feasible
     if least > 0:
         assert not solve_exact_tc(graph, least - 1).feasible
-    # The registry's min_budget uses the module's own binary search.
-    assert min_budget(graph, "kusumoto-exact-tc") == least
+    # The registry's min_budget also asks the simulator (solvers.fits): never below the DP's
+    # own least budget, and its plan fits there.
+    registry_least = min_budget(graph, "kusumoto-exact-tc")
+    assert registry_least >= least
+    assert fits(solve_exact_tc(graph, registry_least), registry_least)
     assert min_budget(graph, "kusumoto-tc") >= least
 
 

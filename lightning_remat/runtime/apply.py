@@ -742,6 +742,14 @@ def measured_bandwidth(device: torch.device) -> float:
     return _BANDWIDTH_CACHE[key]
 
 
+def auto_options(solver: str, device: torch.device, allow_offload: bool = True) -> dict[str, Any]:
+    """Options for ``solver="auto"`` on a device: offloading only where there is a host
+    memory apart from the device's (on the CPU, "offloaded" bytes stay in the same RAM)."""
+    if solver != "auto":
+        return {}
+    return {"allow_offload": allow_offload and device.type == "cuda"}
+
+
 def _device_budget(device: torch.device, margin: float = 0.1) -> int | None:
     """No budget given: the device's free memory less a safety margin (for the allocator's
     fragmentation and what other libraries take) on CUDA, no limit elsewhere."""
@@ -848,7 +856,7 @@ class _Planner:
         if budget is None:
             plan = plain_plan(graph)
         else:
-            plan = solve(graph, budget, self.solver)
+            plan = solve(graph, budget, self.solver, **auto_options(self.solver, device))
         gm = traced.runner
         owner._adopt_targets(gm.graph, [module, gm])
         variant = _build_variant(gm, plan, owner, module, traced.charge)

@@ -16,7 +16,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, make_plan, plain_plan
 
 __all__ = [
-    "SOLVERS", "Plan", "Stage", "get_solver", "make_plan", "min_budget", "plain_plan", "solve",
+    "SOLVERS", "Plan", "Stage", "fits", "get_solver", "make_plan", "min_budget", "plain_plan", "solve",
 ]
 
 # name -> "module:function"; imported on first use so one broken solver cannot break the rest.
@@ -55,32 +55,47 @@ def get_solver(name: str) -> SolverFn:
         raise NotImplementedError(f"solver {name!r} is not available: {exc}") from exc
 
 
+def fits(plan: Plan, budget_bytes: int | None) -> bool:
+    """Whether a plan meets a budget: the solver says so under its own model *and* the
+    simulator's predicted peak (PyTorch's real freeing behaviour, parameter gradients
+    included) is within it. The solvers' own models leave things out (the Kusumoto DP has no
+    parameter gradients and no liveness; the offloading chain model has no branches), so a
+    plan is only handed to the runtime when both agree."""
+    return plan.feasible and (budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes)
+
+
 def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **options: Any) -> Plan:
     """Plan for a budget; raise RematInfeasibleError (with the smallest feasible budget)
-    when the solver cannot meet it."""
+    when the solver's plan does not fit it (see :func:`fits`)."""
     plan = get_solver(solver)(graph, budget_bytes, **options)
-    if not plan.feasible:
+    if not fits(plan, budget_bytes):
         raise RematInfeasibleError(budget_bytes or 0, min_budget(graph, solver, **options), solver)
     return plan
 
 
 def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
-    """The smallest budget for which ``solver`` returns a feasible plan, by binary search
-    over bytes between 0 and the plain plan's predicted peak (feasibility is monotone in
-    the budget for every solver here). A solver module may define its own
-    ``min_budget_<function>`` to do better."""
+    """The smallest budget for which ``solver`` returns a plan that :func:`fits`, by binary
+    search over bytes (feasibility is monotone in the budget for the solvers here). A solver
+    module may define ``min_budget_<function>(graph, **options)``: its answer is taken when
+    the plan there fits, and is otherwise a lower bound for the search."""
     fn = get_solver(solver)
     own = getattr(importlib.import_module(fn.__module__), f"min_budget_{fn.__name__}", None)
-    if own is not None:
-        return int(own(graph, **options))
-    hi = max(plain_plan(graph).predicted_peak_bytes, 1)
-    if not fn(graph, hi, **options).feasible:
-        # The solver's best plan may still exceed the plain peak (it reports its own peak).
-        return int(fn(graph, None, **options).predicted_peak_bytes)
     lo = 0  # infeasible (no step fits in zero bytes unless the graph is empty)
+    if own is not None:
+        claimed = int(own(graph, **options))
+        if fits(fn(graph, claimed, **options), claimed):
+            return claimed
+        lo = claimed
+    hi = max(plain_plan(graph).predicted_peak_bytes, lo + 1)
+    if not fits(fn(graph, hi, **options), hi):
+        # The solver's best plan may still exceed the plain peak (it reports its own peak).
+        best = fn(graph, None, **options).predicted_peak_bytes
+        hi = max(hi, best)
+        while not fits(fn(graph, hi, **options), hi) and hi < 64 * max(best, 1):
+            hi *= 2
     while hi - lo > max(1, hi // 100_000):
         mid = (lo + hi) // 2
-        if fn(graph, mid, **options).feasible:
+        if fits(fn(graph, mid, **options), mid):
             hi = mid
         else:
             lo = mid

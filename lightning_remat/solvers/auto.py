@@ -116,7 +116,7 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
         except ValueError as exc:  # e.g. no measured bandwidth in the graph
             notes.append(f"dynprog skipped: {exc}")
         else:
-            if offloaded.feasible:
+            if offloaded.feasible and _fits(offloaded, budget):
                 return _label(offloaded, "auto:dynprog", notes, True)
             notes.append("dynprog failed: offloading does not meet the budget either")
             tried.append(offloaded)
