@@ -108,7 +108,7 @@ def densenet_like_graph(
     dense blocks where layer k concatenates the block input and every earlier layer's output
     (cat -> BN -> ReLU -> 1x1 conv -> BN -> ReLU -> 3x3 conv), the block output concatenating
     all of them, transitions, a head. Costs are float32 bytes of the activations.
-    (Copied from tests/test_feng.py so the benchmark does not import the tests.)"""
+    (tests/test_feng.py builds its DenseNet-201-size case with it.)"""
     nodes: list[Node] = []
     edges: list[tuple[str, str]] = []
 

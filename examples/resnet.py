@@ -2,7 +2,7 @@
 
 Needs the `vision` extra (pip install 'lightning-remat[vision]').
 
-    python examples/resnet.py --arch resnet18 --budget 60%
+    python examples/resnet.py --arch resnet18 --budget 75%
     python examples/resnet.py --accelerator gpu --arch resnet50 --image-size 224 --batch 64 --budget 8GiB
 """
 
@@ -45,11 +45,11 @@ class LitResNet(pl.LightningModule):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="resnet18")
-    p.add_argument("--budget", default="60%")
+    p.add_argument("--budget", default="75%")
     p.add_argument("--solver", default="auto")
     p.add_argument("--accelerator", default="cpu")
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
     pl.seed_everything(0)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.graphs import densenet_like_graph
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers import get_solver, min_budget
 from lightning_remat.solvers.feng import (
@@ -23,58 +24,6 @@ from lightning_remat.solvers.feng import (
 from lightning_remat.solvers.plan import plain_plan
 
 # ---- graphs -------------------------------------------------------------------------------
-
-
-def densenet_like_graph(
-    blocks: tuple[int, ...] = (6, 12, 48, 32), growth: int = 32, batch: int = 16, width: int = 56
-) -> Graph:
-    """A DenseNet-shaped graph (DenseNet-201 by default: 711 vertices, 2513 edges): a stem,
-    dense blocks where layer k concatenates the block input and every earlier layer's output
-    (cat -> BN -> ReLU -> 1x1 conv -> BN -> ReLU -> 3x3 conv), the block output concatenating
-    all of them, transitions, a head. Costs are float32 bytes of the activations."""
-    nodes: list[Node] = []
-    edges: list[tuple[str, str]] = []
-
-    def add(name: str, op: str, channels: int, hw: int, preds: list[str] | tuple = ()) -> str:
-        nbytes = 4 * batch * channels * hw * hw
-        nodes.append(Node(name, op, mem=nbytes, saved=nbytes, t_fwd=1e-4, t_bwd=2e-4))
-        edges.extend((p, name) for p in preds)
-        return name
-
-    hw = 2 * width
-    x = add("conv0", "Conv2d", 64, hw)
-    x = add("norm0", "BatchNorm2d", 64, hw, [x])
-    x = add("relu0", "ReLU", 64, hw, [x])
-    hw = width
-    x = add("pool0", "MaxPool2d", 64, hw, [x])
-    channels = 64
-    for b, layers in enumerate(blocks):
-        features = [x]
-        for k in range(1, layers + 1):
-            c_in = channels + growth * (k - 1)
-            y = add(f"b{b}l{k}_cat", "cat", c_in, hw, list(features))
-            y = add(f"b{b}l{k}_norm1", "BatchNorm2d", c_in, hw, [y])
-            y = add(f"b{b}l{k}_relu1", "ReLU", c_in, hw, [y])
-            y = add(f"b{b}l{k}_conv1", "Conv2d", 4 * growth, hw, [y])
-            y = add(f"b{b}l{k}_norm2", "BatchNorm2d", 4 * growth, hw, [y])
-            y = add(f"b{b}l{k}_relu2", "ReLU", 4 * growth, hw, [y])
-            y = add(f"b{b}l{k}_conv2", "Conv2d", growth, hw, [y])
-            features.append(y)
-        channels += growth * layers
-        x = add(f"b{b}_out", "cat", channels, hw, features)
-        if b < len(blocks) - 1:
-            x = add(f"t{b}_norm", "BatchNorm2d", channels, hw, [x])
-            x = add(f"t{b}_relu", "ReLU", channels, hw, [x])
-            channels //= 2
-            x = add(f"t{b}_conv", "Conv2d", channels, hw, [x])
-            hw //= 2
-            x = add(f"t{b}_pool", "AvgPool2d", channels, hw, [x])
-    x = add("norm5", "BatchNorm2d", channels, hw, [x])
-    x = add("relu5", "ReLU", channels, hw, [x])
-    x = add("pool5", "AdaptiveAvgPool2d", channels, 1, [x])
-    x = add("flatten", "flatten", channels, 1, [x])
-    add("fc", "Linear", 1000, 1, [x])
-    return Graph(nodes, edges)
 
 
 def make_graph(costs: list[int], edges: list[tuple[int, int]]) -> Graph:

@@ -112,7 +112,10 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
         notes.append("dynprog skipped: lightning_remat.solvers.offload.solve_dynprog is not available")
     else:
         try:
-            offloaded = dynprog(graph, budget, **dict(options.get("offload_options", {})))
+            # Beaumont et al. on the stage chain of the memory-centric plan (DESIGN.md 4.6).
+            offload_options = {"stages": [st.nodes for st in mc.stages],
+                               **dict(options.get("offload_options", {}))}
+            offloaded = dynprog(graph, budget, **offload_options)
         except ValueError as exc:  # e.g. no measured bandwidth in the graph
             notes.append(f"dynprog skipped: {exc}")
         else:
