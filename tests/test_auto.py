@@ -26,24 +26,49 @@ def test_tc_first_when_it_fits(no_offload):
     assert plan.predicted_extra_seconds == solve_approx_tc(GRAPH, budget).predicted_extra_seconds
 
 
-def test_falls_back_to_mc_where_tc_does_not_fit(no_offload):
-    """Search seeded random chains for a budget where the TC plan's predicted peak exceeds
-    it and the MC plan's does not (the paper's reason for MC); auto must take MC and say
-    why TC failed."""
+def test_falls_back_to_mc_where_no_tc_plan_fits(no_offload):
+    """Search seeded random chains for a budget where no budget handed to the TC DP gives a
+    plan whose predicted peak fits, while the MC plan fits (the paper's reason for MC); auto
+    must take MC and say why TC failed."""
     rng = random.Random(0)
     for _ in range(200):
         n = rng.randint(4, 9)
         graph = Graph.chain([rng.randint(1, 9) for _ in range(n)],
                             t_fwd=[rng.randint(1, 5) for _ in range(n)])
         for budget in range(2 * int(graph.total("mem")), 0, -1):
-            tc, mc = solve_approx_tc(graph, budget), solve_approx_mc(graph, budget)
-            if tc.predicted_peak_bytes > budget >= mc.predicted_peak_bytes:
+            mc = solve_approx_mc(graph, budget)
+            if mc.predicted_peak_bytes > budget or not mc.feasible:
+                continue
+            tc_fits = any(
+                (tc := solve_approx_tc(graph, given)).feasible and tc.predicted_peak_bytes <= budget
+                for given in range(1, 4 * int(graph.total("mem")))
+            )
+            if not tc_fits:
                 plan = solve_auto(graph, budget)
                 assert plan.solver == "auto:kusumoto-mc" and plan.feasible
                 assert plan.predicted_peak_bytes <= budget
                 assert any(note.startswith("kusumoto-tc failed") for note in plan.notes)
                 return
-    pytest.fail("no chain where MC fits and TC does not")
+    pytest.fail("no chain where MC fits and no TC plan does")
+
+
+def test_tc_budget_is_calibrated_against_the_simulator(no_offload):
+    """Where the TC plan at the budget itself does not fit but the DP given less room has one
+    that does, auto takes that one (the DP's formula has no parameter gradients)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        n = rng.randint(4, 9)
+        graph = Graph.chain([rng.randint(1, 9) for _ in range(n)],
+                            t_fwd=[rng.randint(1, 5) for _ in range(n)])
+        for budget in range(2 * int(graph.total("mem")), 0, -1):
+            at_budget = solve_approx_tc(graph, budget)
+            if at_budget.predicted_peak_bytes <= budget:
+                continue
+            plan = solve_auto(graph, budget)
+            if plan.solver == "auto:kusumoto-tc":
+                assert plan.feasible and plan.predicted_peak_bytes <= budget
+                return
+    pytest.fail("no chain where calibration was needed")
 
 
 def test_falls_back_to_mc_by_control_flow(no_offload, monkeypatch):

@@ -75,9 +75,8 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
     notes: list[str] = []
     tried: list[Plan] = []
 
-    tc = solve_approx_tc(graph, budget, **kusumoto_options)
-    if _fits(tc, budget):
-        tc = _relaxed_tc(graph, budget, tc, kusumoto_options)
+    tc = _calibrated_tc(graph, budget, kusumoto_options)
+    if tc.feasible and _fits(tc, budget):
         return _label(tc, "auto:kusumoto-tc", notes, True)
     notes.append(f"kusumoto-tc failed: {_why(tc, budget)}")
     tried.append(tc)
@@ -138,24 +137,39 @@ def _memory_optimal_plans(graph: Graph, budget: int) -> list[Plan]:
     return [get_solver(name)(graph, budget) for name in _MEMORY_OPTIMAL]
 
 
-def _relaxed_tc(graph: Graph, budget: int, plan: Plan, kusumoto_options: dict[str, Any],
-                steps: int = 8) -> Plan:
-    """The DP's peak formula ignores liveness, so it over-states the real peak and the TC
-    plan recomputes more than the budget needs. Bisect the budget handed to the DP upward
-    while the simulated peak of its plan still fits, keeping the fastest fitting plan."""
-    lo, hi = budget, 2 * max(budget, int(graph.total("mem")) + int(graph.total("saved")))
-    best = plan
+def _calibrated_tc(graph: Graph, budget: int, kusumoto_options: dict[str, Any],
+                   steps: int = 10) -> Plan:
+    """The time-centric DP with its budget calibrated against the simulator.
+
+    The DP's peak formula (DESIGN.md 4.4) has no liveness (it over-states the peak) and no
+    parameter gradients (it under-states it). So the budget handed to the DP is bisected
+    for the largest one whose plan's simulated peak still fits ``budget``: downward when the
+    plan at ``budget`` does not fit, upward when it does and more room would let the DP
+    recompute less. The fastest fitting plan found is returned (the plan at ``budget``
+    when none fits)."""
+    first = solve_approx_tc(graph, budget, **kusumoto_options)
+    fitting = first.feasible and _fits(first, budget)
+    if fitting:
+        lo, hi = budget, 2 * max(budget, int(graph.total("mem")) + int(graph.total("saved")))
+    else:
+        lo, hi = min_budget_solve_approx_tc(graph, **kusumoto_options), budget
+    best = first if fitting else None
+    given = budget
     for _ in range(steps):
+        if hi - lo <= max(1, hi // 1000):
+            break
         mid = (lo + hi) // 2
         candidate = solve_approx_tc(graph, mid, **kusumoto_options)
         if candidate.feasible and _fits(candidate, budget):
             lo = mid
-            if candidate.predicted_extra_seconds < best.predicted_extra_seconds:
-                best = candidate
+            if best is None or candidate.predicted_extra_seconds < best.predicted_extra_seconds:
+                best, given = candidate, mid
         else:
             hi = mid
-    if best is not plan:
-        best.notes.append(f"the DP was given {lo} bytes: its plan's simulated peak still fits {budget}")
+    if best is None:
+        return first
+    if given != budget:
+        best.notes.append(f"the DP was given {given} bytes: its plan's simulated peak fits {budget}")
     return best
 
 
