@@ -39,7 +39,7 @@ def build(model_name: str, args: argparse.Namespace):
     if model_name == "gpt":
         from benchmarks.models import GPT
 
-        model = GPT(vocab=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len)
+        model = GPT(vocab=args.vocab, width=args.d_model, depth=args.layers, heads=4, context=args.seq_len)
         x = torch.randint(0, args.vocab, (args.batch, args.seq_len))
         return model, x, None
     import torchvision
