@@ -371,8 +371,8 @@ def test_remat_search_uses_the_strategy_budget_and_fits_at_least_plain(tmp_path)
 
     # Activations of a few hundred KiB, well above the meter's 64 KiB resolution, so the
     # simulator's prediction is as close to the measurement as on real models.
-    budget = 8 * 2**20
-    model = SizedConvNet(batch_size=2, image=32, samples=256)
+    budget = 16 * 2**20
+    model = SizedConvNet(batch_size=2, channels=16, image=32, samples=256)
     before = _state(model)
     trainer = small_trainer(tmp_path, max_epochs=1,
                             strategy=RematStrategy(memory_budget=budget, solver="auto", profile_steps=1,
