@@ -3,6 +3,10 @@
 ``GPT``: a small GPT-style language model (token and position embeddings, pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, a final LayerNorm and a head tied to the
 token embedding). Plain PyTorch ops only, so ``torch.fx`` traces it.
+
+``UNet``: Ronneberger et al.'s U-Net (two 3x3 conv-BatchNorm-ReLU per level, max-pool down,
+transposed-conv up, skip connections concatenated), sized by ``width`` and ``depth``: the
+long skip connections make its graph far from a chain, so it has no sequential form.
 """
 
 from __future__ import annotations
@@ -74,6 +78,40 @@ class GPT(nn.Module):
         x = self.tokens(idx) + self.positions
         x = self.blocks(x)
         return self.head(self.ln_f(x))
+
+
+class DoubleConv(nn.Sequential):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        )
+
+
+class UNet(nn.Module):
+    """Images (batch, in_channels, H, W) -> per-pixel logits (batch, classes, H, W); H and W
+    divisible by 2**depth."""
+
+    def __init__(self, in_channels: int = 3, classes: int = 2, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        widths = [width * 2**i for i in range(depth + 1)]
+        self.down = nn.ModuleList([DoubleConv(in_channels, widths[0])])
+        self.down.extend(DoubleConv(widths[i], widths[i + 1]) for i in range(depth))
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ModuleList(nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2)
+                                for i in reversed(range(depth)))
+        self.merge = nn.ModuleList(DoubleConv(2 * widths[i], widths[i]) for i in reversed(range(depth)))
+        self.head = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for i, block in enumerate(self.down):
+            x = block(x if i == 0 else self.pool(x))
+            skips.append(x)
+        skips.pop()
+        for up, merge in zip(self.up, self.merge):
+            x = merge(torch.cat([skips.pop(), up(x)], dim=1))
+        return self.head(x)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,538 @@
+"""The comparison table (issue 9): every model, every method, measured the same way.
+
+For each model and method: the measured peak of one training step, its time, how far its
+gradients and BatchNorm statistics are from the plain model's, and the largest batch whose
+measured peak stays within the plain step's peak. Methods: plain training;
+``torch.utils.checkpoint.checkpoint_sequential`` at each segment count (where the model has
+a sequential form); ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25; and
+lightning-remat's ``auto``, time-centric (``kusumoto-tc``), memory-centric (``kusumoto-mc``)
+and offloading (``dynprog``, CUDA only) plans at budgets of 25/50/75% of the plain peak;
+beside them each solver's predicted peak, predicted extra time and own runtime on the same
+profiled graph.
+
+How it is measured (the same for every method):
+
+- every figure comes from a fresh process (``--worker``), so no method's allocations, caches
+  or compiled code disturb another's reading;
+- the peak is the step's peak above what was resident before it (``runtime/memory.py``: the
+  caching allocator's peak on CUDA, VmHWM with a 64 KiB mmap threshold on the CPU), with
+  gradients freed before the step as Lightning does, so allocating them is part of it;
+- the time is the median of ``--repeats`` steps after a warm-up step (compilation, planning
+  and the allocator's first calls are outside it); on the CPU, after the peak is read, glibc's
+  heap serves tensors again (``release_mmap_threshold``), since the meter's 64 KiB mmap
+  threshold makes every allocation pay page faults and would slow every method's steps,
+  those that allocate more (recomputation) the most;
+- gradient agreement is ``max|g - g_plain| / max|g_plain|`` after one step from the same
+  weights on the same batch with the same RNG seed; BatchNorm agreement is the largest
+  difference in running statistics after that step;
+- the largest batch: the plain step's measured peak at the base batch is the memory cap;
+  each method's batch is raised over a grid (base x 1, 1.25, 1.5, 2, ...) while its measured
+  peak stays within the cap (ours: with ``memory_budget`` = the cap). "plain" is what
+  Lightning's ``BatchSizeFinder`` finds on a device with exactly that much memory.
+
+Results go to ``benchmarks/results/<tag>/<model>.json`` with the device, torch version,
+date and commit of the run, and ``benchmarks/render.py`` turns every results file into
+``benchmarks/RESULTS.md`` and the plots in ``benchmarks/plots/`` (run.py calls it at the end).
+
+    python benchmarks/run.py --quick                  # CPU subset, < 20 minutes on 2 cores
+    python benchmarks/run.py                          # every model and method on this device
+    python benchmarks/run.py --device cuda --models resnet50 --part peers   # one GPU step
+    bash benchmarks/gpu.sh                            # the whole GPU set, in steps
+
+The script refuses to run from a tree with uncommitted changes (the commit it records would
+not be what was measured) unless ``--allow-dirty``; such rows name the commit plus "+dirty".
+torchvision models need the ``vision`` extra (``pip install -e .[vision]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+VISION_MODELS = ["resnet50", "resnet101", "resnet152", "vgg19", "densenet121"]
+MODELS = [*VISION_MODELS, "unet", "gpt"]
+OUR_SOLVERS = ["auto", "kusumoto-tc", "kusumoto-mc", "dynprog"]
+BUDGETS = ["25%", "50%", "75%"]
+COMPILE_BUDGETS = ["0.5", "0.25"]
+SEGMENTS = [2, 4, 8]
+# Each solver's prediction on the profiled graph (the "solver figures").
+PREDICTED_SOLVERS = ["chen", "chen-greedy", "feng", "hong-linear", "kusumoto-tc", "kusumoto-mc",
+                     "dynprog", "auto"]
+BATCH_GRID = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
+SIZE_TOLERANCE = 1.02  # a step within 2% of the cap fits: the meter's run-to-run spread
+
+# Base sizes per device: (batch, image side or sequence length). The CPU sizes keep a step
+# around a second on 2 cores; the CUDA ones are the usual training sizes.
+SIZES: dict[str, dict[str, tuple[int, int]]] = {
+    "cpu": {"resnet50": (8, 128), "resnet101": (8, 128), "resnet152": (8, 128), "vgg19": (8, 96),
+            "densenet121": (8, 128), "unet": (8, 128), "gpt": (8, 256)},
+    "cuda": {"resnet50": (64, 224), "resnet101": (64, 224), "resnet152": (32, 224),
+             "vgg19": (32, 224), "densenet121": (64, 224), "unet": (16, 256), "gpt": (8, 1024)},
+}
+GPT_SHAPE = {"cpu": {"vocab": 2000, "width": 256, "depth": 4, "heads": 4},
+             "cuda": {"vocab": 50304, "width": 768, "depth": 12, "heads": 12}}
+UNET_WIDTH = {"cpu": 16, "cuda": 64}
+
+# The --quick subset: three model families, every kind of method, the 50% budget for the
+# single-solver rows; the largest batch for the two models whose step is cheapest.
+# (torch.compile takes about a minute per cell on 2 cores, hence one budget.)
+QUICK = {
+    "models": ["resnet50", "unet", "gpt"],
+    "segments": [2, 4],
+    "compile": ["0.5"],
+    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": ["50%"], "kusumoto-mc": ["50%"],
+                       "dynprog": ["50%"]},
+    "largest_batch": ["gpt"],
+}
+NO_OFFLOAD = "offloading needs a GPU (on the CPU, host memory is device memory)"
+
+
+# ---- one measurement (a fresh process) -------------------------------------------------------
+def build(model_name: str, device_kind: str, batch: int, size: int):
+    """(model, example input, sequential form or None) on the CPU, seeded."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        from benchmarks.models import GPT
+
+        shape = GPT_SHAPE[device_kind]
+        model = GPT(context=size, **shape)
+        return model, torch.randint(0, shape["vocab"], (batch, size)), None
+    if model_name == "unet":
+        from benchmarks.models import UNet
+
+        return UNet(width=UNET_WIDTH[device_kind]), torch.randn(batch, 3, size, size), None
+    import torchvision
+
+    model = torchvision.models.get_model(model_name, num_classes=1000 if device_kind == "cuda" else 100)
+    sequential = None
+    if model_name.startswith("resnet"):
+        children = list(model.children())
+        sequential = nn.Sequential(*children[:-1], nn.Flatten(1), children[-1])
+    elif model_name.startswith("vgg"):
+        sequential = nn.Sequential(model.features, model.avgpool, nn.Flatten(1), *model.classifier)
+    return model, torch.randn(batch, 3, size, size), sequential
+
+
+def _norm_buffers(model) -> dict[str, Any]:
+    import torch
+
+    return {name: b.detach().clone().float() for name, b in model.named_buffers()
+            if name.endswith(("running_mean", "running_var"))} | {
+        name: b.detach().clone().float() for name, b in model.named_buffers()
+        if name.endswith("num_batches_tracked") and b.dtype == torch.long}
+
+
+def _reset_norms(model) -> None:
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+
+
+def measure(model_name: str, method: str, device_name: str, batch: int, size: int,
+            repeats: int, cap_bytes: int | None = None) -> dict[str, Any]:
+    """One method on one model: peak, time and agreement with plain (see the module doc).
+
+    ``method``: ``plain``, ``checkpoint_sequential:SEGMENTS``, ``compile:BUDGET``,
+    ``remat:SOLVER:BUDGET`` or ``solvers:BUDGET,...`` (predictions only, no step timed).
+    ``cap_bytes`` replaces a remat budget (the largest-batch search)."""
+    import torch
+
+    from lightning_remat.runtime.memory import peak_bytes, release_mmap_threshold
+
+    device = torch.device(device_name)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    model, x, sequential = build(model_name, kind, batch, size)
+    model, x = model.to(device), x.to(device)
+    model.train()
+    if method.startswith("solvers:"):
+        return predictions(model, x, method.split(":", 1)[1].split(","))
+
+    # The plain model's gradients and BatchNorm statistics after one step on this batch.
+    torch.manual_seed(1)
+    model(x).float().sum().backward()
+    plain_grads = [p.grad.detach().clone() for p in model.parameters()]
+    plain_norms = _norm_buffers(model)
+    model.zero_grad(set_to_none=True)
+    _reset_norms(model)
+
+    run: Callable[[Any], Any] = model
+    row: dict[str, Any] = {}
+    if method.startswith("checkpoint_sequential:"):
+        if sequential is None:
+            return {"skipped": "no sequential form"}
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        segments = int(method.split(":")[1])
+        seq = sequential.to(device)
+
+        def run(inp):  # noqa: F811
+            return checkpoint_sequential(seq, segments, inp, use_reentrant=False)
+    elif method.startswith("compile:"):
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = float(method.split(":")[1])
+        run = torch.compile(model)
+    elif method.startswith("remat:"):
+        import lightning_remat
+
+        _, solver, budget = method.split(":")
+        if solver == "dynprog" and device.type != "cuda":
+            return {"skipped": NO_OFFLOAD}
+        memory_budget: int | str = cap_bytes if cap_bytes is not None else budget
+        start = time.perf_counter()
+        try:
+            run = lightning_remat.remat(model, x, memory_budget=memory_budget, solver=solver)
+        except lightning_remat.RematInfeasibleError as exc:
+            return {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes,
+                    "plain_predicted_bytes": _plain_predicted(model, x)}
+        plan = run.plan
+        row.update(planning_seconds=time.perf_counter() - start, solver=plan.solver,
+                   recomputed=plan.count("recompute"), offloaded=plan.count("offload"),
+                   budget_bytes=run._remat_planner.budget_bytes,
+                   predicted_peak_bytes=plan.predicted_peak_bytes,
+                   predicted_extra_seconds=plan.predicted_extra_seconds,
+                   profiled_step_seconds=run.graph.meta.get("step_seconds"))
+    elif method != "plain":
+        raise ValueError(f"unknown method {method!r}")
+
+    def step() -> None:
+        torch.manual_seed(1)
+        run(x).float().sum().backward()
+
+    try:
+        step()  # warm-up: compilation, allocator and oneDNN first-call caches
+    except Exception as exc:  # a peer that cannot run this model is reported, not fatal
+        if "out of memory" in str(exc).lower():
+            return {"skipped": "out of memory"}
+        return {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+    scale = max(float(g.abs().max()) for g in plain_grads) or 1.0
+    row["grad_rel_diff"] = max(float((p.grad - g).abs().max()) for p, g in
+                               zip(model.parameters(), plain_grads)) / scale
+    norms = _norm_buffers(model)
+    row["norm_diff"] = max((float((norms[k] - v).abs().max()) for k, v in plain_norms.items()), default=0.0)
+    model.zero_grad(set_to_none=True)
+    step()
+    model.zero_grad(set_to_none=True)  # gradients are allocated inside the measured step
+    row["peak_bytes"] = peak_bytes(step, device)
+    if device.type == "cpu":
+        # The meter's fixed mmap threshold makes every CPU tensor a fresh mapping (page faults
+        # on each allocation); time the steps as a CPU user's would run, from glibc's heap.
+        release_mmap_threshold()
+        step()
+    times = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    row["step_seconds"] = statistics.median(times)
+    return row
+
+
+def _plain_predicted(model, x) -> int:
+    """The plain plan's predicted peak: what a fractional budget is a fraction of."""
+    import lightning_remat
+    from lightning_remat.runtime.apply import _plain_peak
+
+    return _plain_peak(lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph)
+
+
+def predictions(model, x, budgets: list[str]) -> dict[str, Any]:
+    """Each solver's predicted peak and extra time, and its runtime, on the model's profiled
+    graph at each budget (a fraction of the plain plan's predicted peak)."""
+    import lightning_remat
+    from lightning_remat.budget import parse_budget
+    from lightning_remat.runtime.apply import _plain_peak, auto_options, measured_bandwidth
+    from lightning_remat.solvers import fits, get_solver, min_budget
+
+    graph = lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph
+    device = next(model.parameters()).device
+    graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
+    plain = _plain_peak(graph)
+    step = graph.meta.get("step_seconds") or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
+    cells = []
+    for solver in PREDICTED_SOLVERS:
+        options = auto_options(solver, device) if solver == "auto" else {}
+        for budget in budgets:
+            budget_bytes = parse_budget(budget, plain)
+            start = time.perf_counter()
+            plan = get_solver(solver)(graph, budget_bytes, **options)
+            seconds = time.perf_counter() - start
+            cell = {"solver": solver, "budget": budget, "solver_seconds": seconds,
+                    "fits": fits(plan, budget_bytes)}
+            if cell["fits"]:
+                cell.update(predicted_peak_bytes=plan.predicted_peak_bytes,
+                            predicted_extra_seconds=plan.predicted_extra_seconds, chosen=plan.solver)
+            else:
+                try:
+                    cell["min_budget_bytes"] = min_budget(graph, solver, **options)
+                except Exception as exc:  # noqa: BLE001 - reported in the table
+                    cell["error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            cells.append(cell)
+    return {"plain_predicted_bytes": plain, "profiled_step_seconds": step, "vertices": len(graph),
+            "cells": cells}
+
+
+# ---- the largest batch -----------------------------------------------------------------------
+def largest_batch(fits_at: Callable[[int], bool], base: int, start: int | None = None) -> tuple[int | None, list[int]]:
+    """The largest batch on the grid ``base x BATCH_GRID`` for which ``fits_at`` holds,
+    assuming it holds up to some batch and not beyond (memory grows with the batch).
+    Starts at ``start`` (a guess; default ``base``) and walks up or down the grid, so a good
+    guess costs two probes. Returns (batch or None if even the smallest fails, probes made)."""
+    grid = sorted({max(1, round(base * f)) for f in BATCH_GRID})
+    i = grid.index(min(grid, key=lambda b: abs(b - (start or base))))
+    probed: list[int] = []
+    results: dict[int, bool] = {}
+
+    def ok(j: int) -> bool:
+        if grid[j] not in results:
+            probed.append(grid[j])
+            results[grid[j]] = fits_at(grid[j])
+        return results[grid[j]]
+
+    if ok(i):
+        while i + 1 < len(grid) and ok(i + 1):
+            i += 1
+        return grid[i], probed
+    while i > 0:
+        i -= 1
+        if ok(i):
+            return grid[i], probed
+    return None, probed
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+def spawn(args: argparse.Namespace, model: str, method: str, batch: int, size: int,
+          cap_bytes: int | None = None) -> dict[str, Any]:
+    """``measure`` in a fresh process."""
+    cmd = [sys.executable, __file__, "--worker", "--model", model, "--method", method,
+           "--device", args.device, "--batch", str(batch), "--size", str(size),
+           "--repeats", str(args.repeats)]
+    if cap_bytes is not None:
+        cmd += ["--cap", str(cap_bytes)]
+    # The CPU meter's threshold fixed from the process's first allocation (DESIGN.md section 6).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]}
+
+
+# What the benchmarks write themselves does not make the tree dirty.
+OUTPUTS = ("benchmarks/results", "benchmarks/plots", "benchmarks/RESULTS.md")
+
+
+def git_commit(allow_dirty: bool, root: Path = ROOT) -> str:
+    """The commit measured; refuses (SystemExit) a tree with uncommitted changes to tracked
+    files (the benchmarks' own outputs aside) unless told."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *(f":!{path}" for path in OUTPUTS)], cwd=root,
+                               check=True, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        if not allow_dirty:
+            raise SystemExit("run.py: not a git checkout, so no commit can be recorded; "
+                             "pass --allow-dirty to measure anyway (rows then name 'unknown')") from None
+        return "unknown"
+    if dirty and not allow_dirty:
+        raise SystemExit("run.py: the tree has uncommitted changes, so the recorded commit would "
+                         "not be what was measured; commit them, or pass --allow-dirty (rows then "
+                         f"name {commit}+dirty):\n{dirty}")
+    return commit + ("+dirty" if dirty else "")
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    if device.startswith("cuda"):
+        machine = torch.cuda.get_device_name(0)
+    else:
+        machine = f"{platform.machine()} CPU, {os.cpu_count()} cores"
+    return {"device": device, "machine": machine, "torch": torch.__version__,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat()}
+
+
+def methods_for(model: str, args: argparse.Namespace, has_sequential: bool) -> list[tuple[str, str]]:
+    """(part, method) pairs to measure for ``model``."""
+    quick = args.quick
+    out: list[tuple[str, str]] = [("peers", "plain")]
+    if has_sequential:
+        out += [("peers", f"checkpoint_sequential:{s}") for s in (QUICK["segments"] if quick else SEGMENTS)]
+    if not args.no_compile:
+        out += [("peers", f"compile:{b}") for b in (QUICK["compile"] if quick else COMPILE_BUDGETS)]
+    for solver in OUR_SOLVERS:
+        for budget in (QUICK["solver_budgets"][solver] if quick else BUDGETS):
+            out.append(("ours", f"remat:{solver}:{budget}"))
+    out.append(("ours", "solvers:" + ",".join(BUDGETS)))
+    return out
+
+
+def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    batch, size = SIZES[kind][model]
+    batch = args.batch or batch
+    out_path = RESULTS / args.tag / f"{model}.json"
+    # Parts of one model measured in separate invocations (gpu.sh) land in one file.
+    record = json.loads(out_path.read_text()) if out_path.exists() and args.part != "all" else {}
+    record.update(model=model, batch=batch, size=size, **meta)
+    rows = record.setdefault("rows", {})
+    has_sequential = model.startswith(("resnet", "vgg"))
+    parts = {"peers", "ours", "batch"} if args.part == "all" else {args.part}
+
+    def save() -> None:  # after every figure, so a step cut off by a time limit keeps its rows
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=1) + "\n")
+
+    for part, method in methods_for(model, args, has_sequential):
+        if part in parts or (method == "plain" and "plain" not in rows):
+            t0 = time.perf_counter()
+            if method.startswith("remat:dynprog") and kind == "cpu":
+                rows[method] = {"skipped": NO_OFFLOAD}
+                continue
+            rows[method] = spawn(args, model, method, batch, size)
+            save()
+            log(f"  {model:<12} {method:<30} {_brief(rows[method])} ({time.perf_counter() - t0:.0f} s)")
+    if "batch" in parts and (not args.quick or model in QUICK["largest_batch"]):
+        record["largest_batch"] = search_batches(args, model, batch, size, rows, has_sequential, log)
+    save()
+    return record
+
+
+def search_batches(args: argparse.Namespace, model: str, batch: int, size: int, rows: dict[str, Any],
+                   has_sequential: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """Each method's largest batch within the plain step's measured peak (the cap)."""
+    plain = rows.get("plain", {})
+    if "peak_bytes" not in plain:
+        return {"error": "no plain peak to cap at"}
+    cap = int(plain["peak_bytes"])
+    candidates = ["plain", "compile:0.5", "remat:auto:cap"]
+    if has_sequential:
+        seg = [m for m in rows if m.startswith("checkpoint_sequential:") and "peak_bytes" in rows[m]]
+        if seg:
+            candidates.insert(1, min(seg, key=lambda m: rows[m]["peak_bytes"]))
+    if args.no_compile:
+        candidates.remove("compile:0.5")
+    out: dict[str, Any] = {"cap_bytes": cap}
+    for method in candidates:
+        measured = rows.get(method, {})
+        if method == "remat:auto:cap":
+            feasible = [r for m, r in rows.items() if m.startswith("remat:") and "peak_bytes" in r]
+            least = min((r["peak_bytes"] for r in feasible), default=cap)
+            guess = batch * cap / max(least, 1)
+        else:
+            guess = batch * cap / measured["peak_bytes"] if "peak_bytes" in measured else batch
+        probes: dict[int, dict[str, Any]] = {}
+
+        def fits_at(b: int, method: str = method, probes: dict = probes) -> bool:
+            if b == batch and method == "plain":
+                probes[b] = plain  # the cap itself
+            else:
+                spec = "remat:auto:cap" if method == "remat:auto:cap" else method
+                probes[b] = spawn(args, model, spec, b, size, cap_bytes=cap if spec.startswith("remat") else None)
+            return "peak_bytes" in probes[b] and probes[b]["peak_bytes"] <= cap * SIZE_TOLERANCE
+
+        best, probed = largest_batch(fits_at, batch, start=round(guess))
+        out[method] = {"batch": best, "probes": {str(b): probes[b].get("peak_bytes", probes[b]) for b in probed}}
+        if best is not None:
+            out[method]["step_seconds"] = probes[best].get("step_seconds")
+        log(f"  {model:<12} largest batch {method:<24} {best} (probed {probed})")
+    return out
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if "peak_bytes" in row:
+        return f"peak {row['peak_bytes'] / 2**20:.1f} MiB, {row['step_seconds']:.2f} s"
+    if "cells" in row:
+        return f"{len(row['cells'])} predictions"
+    return str(row)[:90]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the CPU subset (< 20 minutes on 2 cores)")
+    p.add_argument("--models", help=f"comma-separated, of {','.join(MODELS)} (default: all, or the quick set)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--part", default="all", choices=["all", "peers", "ours", "batch"],
+                   help="measure one part of each model (results merge into its file)")
+    p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
+    p.add_argument("--batch", type=int, help="override the base batch size")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
+    p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--cap", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(args.model, args.method, args.device, args.batch, args.size,
+                                 args.repeats, args.cap)))
+        return 0
+
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    models = args.models.split(",") if args.models else (QUICK["models"] if args.quick else MODELS)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; choose from {MODELS}")
+    if any(m in VISION_MODELS for m in models):
+        try:
+            import torchvision  # noqa: F401
+        except ImportError:
+            p.error("the torchvision models need torchvision: pip install -e .[vision] "
+                    f"(or --models {','.join(m for m in models if m not in VISION_MODELS) or 'gpt'})")
+    commit = git_commit(args.allow_dirty)
+    args.tag = args.tag or kind + ("-quick" if args.quick else "")
+    if args.part == "all" and (RESULTS / args.tag).is_dir() and not args.models:
+        for old in (RESULTS / args.tag).glob("*.json"):  # a whole rerun replaces the tag
+            old.unlink()
+    meta = {"commit": commit, **environment(args.device), "quick": args.quick}
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    started = time.perf_counter()
+    log(f"# run.py {args.tag}: {meta['machine']}, torch {meta['torch']}, {meta['date']}, commit {commit}")
+    for model in models:
+        run_model(args, model, meta, log)
+    log(f"# {time.perf_counter() - started:.0f} s in all")
+    if not args.no_render:
+        from benchmarks import render
+
+        render.main([])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
