@@ -193,8 +193,11 @@ def plot(tag: str, records: list[dict[str, Any]], plots: Path = PLOTS) -> Path |
     cols = min(3, len(records))
     rows_n = (len(records) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
-    markers = {"plain": "*", "checkpoint_sequential": "s", "torch.compile": "^", "remat auto": "o",
-               "remat kusumoto-tc": "D", "remat kusumoto-mc": "v", "remat dynprog": "P"}
+    # One marker and colour per method in every panel.
+    styles = {"plain": ("*", "black"), "checkpoint_sequential": ("s", "tab:orange"),
+              "torch.compile": ("^", "tab:blue"), "remat auto": ("o", "tab:green"),
+              "remat kusumoto-tc": ("D", "tab:olive"), "remat kusumoto-mc": ("v", "tab:cyan"),
+              "remat dynprog": ("P", "tab:purple")}
     for ax, record in zip(axes.flat, records):
         plain = record["rows"]["plain"]
         curves: dict[str, list[tuple[float, float, str]]] = {}
@@ -206,8 +209,9 @@ def plot(tag: str, records: list[dict[str, Any]], plots: Path = PLOTS) -> Path |
                 (row["peak_bytes"] / plain["peak_bytes"], row["step_seconds"] / plain["step_seconds"], label))
         for name, points in curves.items():
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=markers.get(name, "x"),
-                    label=name, linestyle="-" if len(points) > 1 else "none", markersize=8 if name == "plain" else 6)
+            marker, color = styles.get(name, ("x", "gray"))
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color,
+                    label=name, linestyle="-" if len(points) > 1 else "none", markersize=9 if name == "plain" else 6)
             for px, py, label in points:
                 if label:
                     ax.annotate(label, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7)
