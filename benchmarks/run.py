@@ -18,7 +18,8 @@ How it is measured (the same for every method):
   caching allocator's peak on CUDA, VmHWM with a 64 KiB mmap threshold on the CPU), with
   gradients freed before the step as Lightning does, so allocating them is part of it;
 - the time is the median of ``--repeats`` steps after a warm-up step (compilation, planning
-  and the allocator's first calls are outside it); on the CPU, after the peak is read, glibc's
+  and the allocator's first calls are outside it), alternating with as many plain steps in
+  the same process: *time/plain* is the ratio of the two medians; on the CPU, after the peak is read, glibc's
   heap serves tensors again (``release_mmap_threshold``), since the meter's 64 KiB mmap
   threshold makes every allocation pay page faults and would slow every method's steps,
   those that allocate more (recomputation) the most;
@@ -78,8 +79,8 @@ SIZE_TOLERANCE = 1.02  # a step within 2% of the cap fits: the meter's run-to-ru
 # Base sizes per device: (batch, image side or sequence length). The CPU sizes keep a step
 # around a second on 2 cores; the CUDA ones are the usual training sizes.
 SIZES: dict[str, dict[str, tuple[int, int]]] = {
-    "cpu": {"resnet50": (8, 128), "resnet101": (8, 128), "resnet152": (8, 128), "vgg19": (8, 96),
-            "densenet121": (8, 128), "unet": (8, 128), "gpt": (8, 256)},
+    "cpu": {"resnet50": (8, 112), "resnet101": (8, 112), "resnet152": (8, 112), "vgg19": (8, 96),
+            "densenet121": (8, 112), "unet": (8, 128), "gpt": (8, 256)},
     "cuda": {"resnet50": (64, 224), "resnet101": (64, 224), "resnet152": (32, 224),
              "vgg19": (32, 224), "densenet121": (64, 224), "unet": (16, 256), "gpt": (8, 1024)},
 }
@@ -87,14 +88,14 @@ GPT_SHAPE = {"cpu": {"vocab": 2000, "width": 256, "depth": 4, "heads": 4},
              "cuda": {"vocab": 50304, "width": 768, "depth": 12, "heads": 12}}
 UNET_WIDTH = {"cpu": 16, "cuda": 64}
 
-# The --quick subset: three model families, every kind of method, the 50% budget for the
-# single-solver rows; the largest batch for the two models whose step is cheapest.
+# The --quick subset: three model families, every kind of method, the 75% budget for the
+# single-solver rows (the one all three reach at the CPU sizes); the largest batch for the GPT.
 # (torch.compile takes about a minute per cell on 2 cores, hence one budget.)
 QUICK = {
     "models": ["resnet50", "unet", "gpt"],
     "segments": [2, 4],
     "compile": ["0.5"],
-    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": ["50%"], "kusumoto-mc": ["50%"],
+    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": ["75%"], "kusumoto-mc": ["75%"],
                        "dynprog": ["50%"]},
     "largest_batch": ["gpt"],
 }
@@ -233,22 +234,33 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     step()
     model.zero_grad(set_to_none=True)  # gradients are allocated inside the measured step
     row["peak_bytes"] = peak_bytes(step, device)
+
+    def plain_step() -> None:
+        torch.manual_seed(1)
+        model(x).float().sum().backward()
+
     if device.type == "cpu":
         # The meter's fixed mmap threshold makes every CPU tensor a fresh mapping (page faults
         # on each allocation); time the steps as a CPU user's would run, from glibc's heap.
         release_mmap_threshold()
-        step()
-    times = []
-    for _ in range(repeats):
+    # Plain and method steps alternate in this process, so the ratio compares steps taken
+    # under the same conditions (machine load drifts between processes).
+    times: dict[Callable[[], None], list[float]] = {plain_step: [], step: []}
+    for fn in (plain_step, step):
         model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    row["step_seconds"] = statistics.median(times)
+        fn()
+    for _ in range(repeats):
+        for fn, spent in times.items():
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            spent.append(time.perf_counter() - t0)
+    row["step_seconds"] = statistics.median(times[step])
+    row["plain_step_seconds"] = statistics.median(times[plain_step])
     return row
 
 
