@@ -274,9 +274,71 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
     return "\n".join(out).rstrip() + "\n"
 
 
+README = ROOT / "README.md"
+README_BEGIN = "<!-- results:begin (benchmarks/render.py writes this block) -->"
+README_END = "<!-- results:end -->"
+
+
+def summary(results: Path = RESULTS) -> str:
+    """The README's results block: per model of the newest GPU run if there is one, else of
+    the CPU runs, every measured row (peak and time against plain, gradient agreement) and
+    the largest batches, each linking to its section of RESULTS.md."""
+    tags = [d for d in sorted(results.iterdir()) if d.is_dir()] if results.is_dir() else []
+    tags.sort(key=lambda d: TAG_ORDER.index(d.name) if d.name in TAG_ORDER else 99)
+    lines: list[str] = []
+    for tag_dir in tags:
+        records = load(tag_dir)
+        if not records:
+            continue
+        first = records[0]
+        lines += [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, commit "
+                  f"{first['commit']} ([RESULTS.md, {tag_dir.name}](benchmarks/RESULTS.md#{tag_dir.name})):", "",
+                  "| model | method | peak/plain | time/plain | grad diff | largest batch |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for record in records:
+            rows = record["rows"]
+            plain = rows.get("plain", {})
+            if "peak_bytes" not in plain:
+                continue
+            batches = record.get("largest_batch") or {}
+            link = f"[{record['model']}](benchmarks/RESULTS.md#{tag_dir.name}-{record['model']})"
+            for method, row in rows.items():
+                if "peak_bytes" not in row:
+                    continue
+                key = "remat:auto:cap" if method == _first_auto(rows) else method
+                best = (batches.get(key) or {}).get("batch")
+                largest = "" if best is None else str(best)
+                time_ratio = row["step_seconds"] / row.get("plain_step_seconds", plain["step_seconds"])
+                lines.append(f"| {link} | {method_label(method)} | {row['peak_bytes'] / plain['peak_bytes']:.2f} | "
+                             f"{time_ratio:.2f} | {row['grad_rel_diff']:.0e} | {largest} |")
+        lines += [""]
+        if tag_dir.name == "cuda":
+            break  # the GPU figures are the ones a user's choice rests on
+    lines.append("*largest batch*: within the plain step's measured peak at the base batch; for "
+                 "`remat auto` with that peak as the budget (given once, on its first row).")
+    return "\n".join(lines)
+
+
+def _first_auto(rows: dict[str, Any]) -> str | None:
+    return next((m for m, r in rows.items() if m.startswith("remat:auto") and "peak_bytes" in r), None)
+
+
+def update_readme(readme: Path = README, results: Path = RESULTS) -> bool:
+    """Replace the README's results block; False when the README has no markers."""
+    text = readme.read_text() if readme.exists() else ""
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{summary(results)}\n{README_END}{tail}")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     OUTPUT.write_text(render())
     print(f"wrote {OUTPUT.relative_to(ROOT)}")
+    if update_readme():
+        print(f"updated the results block of {README.relative_to(ROOT)}")
     return 0
 
 

@@ -125,3 +125,33 @@ def test_render_names_every_row_and_its_commit(tmp_path: Path) -> None:
     assert "| feng | min 40% 0.01s | 45% +30% 0.01s |" in text
     assert (tmp_path / "plots" / "cpu-quick.png").stat().st_size > 1000
     assert "](plots/cpu-quick.png)" in text
+
+
+def test_readme_block_is_rewritten_from_the_results(tmp_path: Path) -> None:
+    results = tmp_path / "results" / "cpu-quick"
+    results.mkdir(parents=True)
+    (results / "gpt.json").write_text(json.dumps(_record("gpt", "abc1234567")))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{render.README_BEGIN}\nstale\n{render.README_END}\ntail\n")
+    assert render.update_readme(readme, tmp_path / "results")
+    text = readme.read_text()
+    assert "stale" not in text and text.endswith(f"{render.README_END}\ntail\n")
+    assert "commit abc1234567" in text
+    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | remat auto @50% | 0.49 | 1.30 | 0e+00 | 20 |" in text
+    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | plain | 1.00 | 1.00 | 0e+00 | 8 |" in text
+    (tmp_path / "plain.md").write_text("no markers\n")
+    assert not render.update_readme(tmp_path / "plain.md", tmp_path / "results")
+
+
+def test_gpu_script_parses_and_refuses_without_a_gpu() -> None:
+    import sys
+
+    import torch
+
+    script = Path(run.ROOT) / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the refusal path is not taken")
+    proc = subprocess.run(["bash", str(script), "gpt", "peers"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr
