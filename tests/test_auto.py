@@ -122,3 +122,30 @@ def test_min_budget_is_a_budget_auto_meets(no_offload):
 def test_no_budget_is_plain_tc(no_offload):
     plan = solve_auto(GRAPH, None)
     assert plan.solver == "auto:kusumoto-tc" and len(plan.stages) == 1 and plan.feasible
+
+
+def test_memory_centric_dp_at_a_looser_budget_is_used_when_its_real_peak_fits(no_offload, monkeypatch):
+    """The MC DP's formula has no liveness: where it finds nothing at the budget but its plan
+    for a looser budget has a simulated peak within it, auto takes that plan."""
+    from lightning_remat.solvers.plan import plain_plan
+
+    plain = plain_plan(GRAPH).predicted_peak_bytes
+    loose = solve_approx_mc(GRAPH, plain)  # the scan's 1.0
+    budget = loose.predicted_peak_bytes
+    assert budget < plain
+    real_mc = auto.solve_approx_mc
+
+    def mc_blind_below(graph, b, **kw):
+        plan = real_mc(graph, b, **kw)
+        if b is None or b < plain:
+            plan.feasible = False  # "no strategy meets the budget under the DP's formula"
+            plan.predicted_peak_bytes = plain
+        return plan
+
+    monkeypatch.setattr(auto, "solve_approx_mc", mc_blind_below)
+    monkeypatch.setattr(auto, "_memory_optimal_plans", lambda graph, b: [])
+    monkeypatch.setattr(auto, "_calibrated_tc", lambda graph, b, opts: solve_approx_tc(graph, 1))
+    plan = solve_auto(GRAPH, budget)
+    assert plan.feasible and plan.solver == "auto:kusumoto-mc"
+    assert plan.predicted_peak_bytes <= budget
+    assert any("given" in note for note in plan.notes)
