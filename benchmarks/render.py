@@ -293,8 +293,8 @@ def summary(results: Path = RESULTS) -> str:
         first = records[0]
         lines += [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, commit "
                   f"{first['commit']} ([RESULTS.md, {tag_dir.name}](benchmarks/RESULTS.md#{tag_dir.name})):", "",
-                  "| model | method | peak/plain | time/plain | grad diff | largest batch |",
-                  "|---|---|---:|---:|---:|---:|"]
+                  "| model | method | peak/plain | time/plain | grad diff | BN diff | largest batch |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for record in records:
             rows = record["rows"]
             plain = rows.get("plain", {})
@@ -310,12 +310,15 @@ def summary(results: Path = RESULTS) -> str:
                 largest = "" if best is None else str(best)
                 time_ratio = row["step_seconds"] / row.get("plain_step_seconds", plain["step_seconds"])
                 lines.append(f"| {link} | {method_label(method)} | {row['peak_bytes'] / plain['peak_bytes']:.2f} | "
-                             f"{time_ratio:.2f} | {row['grad_rel_diff']:.0e} | {largest} |")
+                             f"{time_ratio:.2f} | {row['grad_rel_diff']:.0e} | {row['norm_diff']:.0e} | {largest} |")
         lines += [""]
         if tag_dir.name == "cuda":
             break  # the GPU figures are the ones a user's choice rests on
-    lines.append("*largest batch*: within the plain step's measured peak at the base batch; for "
-                 "`remat auto` with that peak as the budget (given once, on its first row).")
+    lines.append("*grad diff*: `max|g - g_plain| / max|g_plain|` after one step; *BN diff*: the largest "
+                 "difference in BatchNorm running statistics (`num_batches_tracked` included); "
+                 "*largest batch*: within the plain step's measured peak at the base batch, for "
+                 "`remat auto` with that peak as the budget (given once, on its first row). The plain "
+                 "row's *time/plain* compares plain steps with plain steps: it shows the timing noise.")
     return "\n".join(lines)
 
 

@@ -137,8 +137,8 @@ def test_readme_block_is_rewritten_from_the_results(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "stale" not in text and text.endswith(f"{render.README_END}\ntail\n")
     assert "commit abc1234567" in text
-    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | remat auto @50% | 0.49 | 1.30 | 0e+00 | 20 |" in text
-    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | plain | 1.00 | 1.00 | 0e+00 | 8 |" in text
+    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | remat auto @50% | 0.49 | 1.30 | 0e+00 | 0e+00 | 20 |" in text
+    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | plain | 1.00 | 1.00 | 0e+00 | 0e+00 | 8 |" in text
     (tmp_path / "plain.md").write_text("no markers\n")
     assert not render.update_readme(tmp_path / "plain.md", tmp_path / "results")
 
