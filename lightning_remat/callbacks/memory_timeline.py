@@ -126,6 +126,7 @@ class MemoryTimelineLogger(pl.Callback if pl is not None else object):  # type: 
             torch.cuda.reset_peak_memory_stats(device)
         else:
             memory.set_mmap_threshold()
+            memory.trim_heap()  # heap memory freed before would be reused unseen
             memory.reset_high_water_mark()
             self._base = memory.resident_bytes()
         self._t0 = time.perf_counter()
