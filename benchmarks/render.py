@@ -100,13 +100,8 @@ def measured_table(record: dict[str, Any]) -> list[str]:
     commit = record["commit"]
     lines = ["| method | peak MiB | peak/plain | time/plain | grad diff | BN diff | note | commit |",
              "|---|---:|---:|---:|---:|---:|---|---|"]
-    plain_predicted = None
+    plain_predicted = (_predictions(record) or {}).get("plain_predicted_bytes")
     for method, row in rows.items():
-        if method.startswith("solvers:"):
-            plain_predicted = row.get("plain_predicted_bytes")
-    for method, row in rows.items():
-        if method.startswith("solvers:"):
-            continue
         if "peak_bytes" in row and "peak_bytes" in plain:
             lines.append(
                 f"| {method_label(method)} | {mib(row['peak_bytes'])} | "
@@ -146,10 +141,14 @@ def batch_table(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _predictions(record: dict[str, Any]) -> dict[str, Any] | None:
+    return next((row["predictions"] for row in record["rows"].values() if "predictions" in row), None)
+
+
 def solver_table(record: dict[str, Any]) -> list[str]:
-    entry = next((row for method, row in record["rows"].items() if method.startswith("solvers:")), None)
-    if not entry or "cells" not in entry:
-        return [f"Solver predictions: {note(entry or {'error': 'not measured'}, None)}"] if entry else []
+    entry = _predictions(record)
+    if not entry:
+        return []
     plain = entry["plain_predicted_bytes"]
     step = entry["profiled_step_seconds"]
     budgets = list(dict.fromkeys(c["budget"] for c in entry["cells"]))

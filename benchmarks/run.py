@@ -70,7 +70,9 @@ OUR_SOLVERS = ["auto", "kusumoto-tc", "kusumoto-mc", "dynprog"]
 BUDGETS = ["25%", "50%", "75%"]
 COMPILE_BUDGETS = ["0.5", "0.25"]
 SEGMENTS = [2, 4, 8]
-# Each solver's prediction on the profiled graph (the "solver figures").
+# Each solver's prediction on the profiled graph (the "solver figures"), made in the worker
+# of PREDICTIONS_AT on the graph it profiled, after its steps are timed.
+PREDICTIONS_AT = "remat:auto:75%"
 PREDICTED_SOLVERS = ["chen", "chen-greedy", "feng", "hong-linear", "kusumoto-tc", "kusumoto-mc",
                      "dynprog", "auto"]
 BATCH_GRID = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
@@ -153,8 +155,9 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     """One method on one model: peak, time and agreement with plain (see the module doc).
 
     ``method``: ``plain``, ``checkpoint_sequential:SEGMENTS``, ``compile:BUDGET``,
-    ``remat:SOLVER:BUDGET`` or ``solvers:BUDGET,...`` (predictions only, no step timed).
-    ``cap_bytes`` replaces a remat budget (the largest-batch search)."""
+    or ``remat:SOLVER:BUDGET``; ``cap_bytes`` replaces a remat budget (the largest-batch
+    search). The ``PREDICTIONS_AT`` method also gives every solver's prediction on the graph
+    it profiled (``predictions``)."""
     import torch
 
     from lightning_remat.runtime.memory import peak_bytes, release_mmap_threshold
@@ -164,8 +167,6 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     model, x, sequential = build(model_name, kind, batch, size)
     model, x = model.to(device), x.to(device)
     model.train()
-    if method.startswith("solvers:"):
-        return predictions(model, x, method.split(":", 1)[1].split(","))
 
     # The plain model's gradients and BatchNorm statistics after one step on this batch.
     torch.manual_seed(1)
@@ -203,8 +204,12 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         try:
             run = lightning_remat.remat(model, x, memory_budget=memory_budget, solver=solver)
         except lightning_remat.RematInfeasibleError as exc:
-            return {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes,
-                    "plain_predicted_bytes": _plain_predicted(model, x)}
+            graph = _plain_graph(model, x)
+            skipped = {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes,
+                       "plain_predicted_bytes": _plain_peak(graph)}
+            if method == PREDICTIONS_AT and cap_bytes is None:
+                skipped["predictions"] = predictions(graph, device, BUDGETS)
+            return skipped
         plan = run.plan
         row.update(planning_seconds=time.perf_counter() - start, solver=plan.solver,
                    recomputed=plan.count("recompute"), offloaded=plan.count("offload"),
@@ -261,27 +266,32 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
             spent.append(time.perf_counter() - t0)
     row["step_seconds"] = statistics.median(times[step])
     row["plain_step_seconds"] = statistics.median(times[plain_step])
+    if method == PREDICTIONS_AT and cap_bytes is None:
+        row["predictions"] = predictions(run.graph, device, BUDGETS)
     return row
 
 
-def _plain_predicted(model, x) -> int:
+def _plain_graph(model, x):
+    """The model's profiled graph (the plain plan's, so nothing is solved)."""
+    import lightning_remat
+
+    return lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph
+
+
+def _plain_peak(graph) -> int:
     """The plain plan's predicted peak: what a fractional budget is a fraction of."""
-    import lightning_remat
-    from lightning_remat.runtime.apply import _plain_peak
+    from lightning_remat.runtime.apply import _plain_peak as plain_peak
 
-    return _plain_peak(lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph)
+    return plain_peak(graph)
 
 
-def predictions(model, x, budgets: list[str]) -> dict[str, Any]:
-    """Each solver's predicted peak and extra time, and its runtime, on the model's profiled
-    graph at each budget (a fraction of the plain plan's predicted peak)."""
-    import lightning_remat
+def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
+    """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
+    each budget (a fraction of the plain plan's predicted peak)."""
     from lightning_remat.budget import parse_budget
-    from lightning_remat.runtime.apply import _plain_peak, auto_options, measured_bandwidth
+    from lightning_remat.runtime.apply import auto_options, measured_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
 
-    graph = lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph
-    device = next(model.parameters()).device
     graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
     plain = _plain_peak(graph)
     step = graph.meta.get("step_seconds") or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
@@ -404,7 +414,6 @@ def methods_for(model: str, args: argparse.Namespace, has_sequential: bool) -> l
     for solver in OUR_SOLVERS:
         for budget in (QUICK["solver_budgets"][solver] if quick else BUDGETS):
             out.append(("ours", f"remat:{solver}:{budget}"))
-    out.append(("ours", "solvers:" + ",".join(BUDGETS)))
     return out
 
 
@@ -497,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure one part of each model (results merge into its file)")
     p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (and as many plain)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")

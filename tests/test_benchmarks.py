@@ -79,6 +79,11 @@ def test_measure_gives_plain_agreement_and_a_budgeted_plan() -> None:
         assert ours["predicted_peak_bytes"] <= ours["budget_bytes"]
     else:
         assert ours["min_budget_bytes"] > 0
+    with_predictions = run.measure("gpt", run.PREDICTIONS_AT, "cpu", batch=2, size=32, repeats=1)
+    cells = with_predictions["predictions"]["cells"]
+    assert {(c["solver"], c["budget"]) for c in cells} == {
+        (s, b) for s in run.PREDICTED_SOLVERS for b in run.BUDGETS}
+    assert all(c["fits"] == ("predicted_peak_bytes" in c) for c in cells)
     assert run.measure("gpt", "checkpoint_sequential:2", "cpu", 2, 32, 1) == {"skipped": "no sequential form"}
     assert "GPU" in run.measure("gpt", "remat:dynprog:50%", "cpu", 2, 32, 1)["skipped"]
     with pytest.raises(ValueError, match="unknown method"):
@@ -106,14 +111,15 @@ def _record(model: str, commit: str) -> dict:
                                "budget_bytes": 50 * mib, "predicted_peak_bytes": 48 * mib,
                                "predicted_extra_seconds": 0.2, "profiled_step_seconds": 1.0},
             "remat:auto:25%": {"skipped": "infeasible", "min_budget_bytes": 40 * mib,
-                               "plain_predicted_bytes": 100 * mib},
-            "solvers:25%,50%": {"plain_predicted_bytes": 100 * mib, "profiled_step_seconds": 1.0,
-                                "vertices": 30, "cells": [
-                                    {"solver": "feng", "budget": "25%", "solver_seconds": 0.01,
-                                     "fits": False, "min_budget_bytes": 40 * mib},
-                                    {"solver": "feng", "budget": "50%", "solver_seconds": 0.01,
-                                     "fits": True, "predicted_peak_bytes": 45 * mib,
-                                     "predicted_extra_seconds": 0.3, "chosen": "feng"}]},
+                               "plain_predicted_bytes": 100 * mib,
+                               "predictions": {
+                                   "plain_predicted_bytes": 100 * mib, "profiled_step_seconds": 1.0,
+                                   "vertices": 30, "cells": [
+                                       {"solver": "feng", "budget": "25%", "solver_seconds": 0.01,
+                                        "fits": False, "min_budget_bytes": 40 * mib},
+                                       {"solver": "feng", "budget": "50%", "solver_seconds": 0.01,
+                                        "fits": True, "predicted_peak_bytes": 45 * mib,
+                                        "predicted_extra_seconds": 0.3, "chosen": "feng"}]}},
         },
         "largest_batch": {"cap_bytes": 100 * mib,
                           "plain": {"batch": 8, "probes": {"8": 100 * mib, "10": 125 * mib}},
