@@ -5,6 +5,11 @@ VENV ?= .venv
 # (and an ordinary wheel elsewhere); override with `make TORCH_SPEC=torch test`.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# The benchmarks need torchvision, whose wheels pair with one torch release each: a venv of
+# their own (the pair lying on this kind of machine; override for another platform).
+BENCH_VENV ?= .venv-bench
+BENCH_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+BENCH_BIN := $(BENCH_VENV)/bin
 
 .PHONY: demo test lint venv bench clean
 
@@ -17,6 +22,17 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+$(BENCH_BIN)/.installed: pyproject.toml
+	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install -q --upgrade pip
+	$(BENCH_BIN)/python -m pip install -q $(BENCH_TORCH_SPEC)
+	$(BENCH_BIN)/python -m pip install -q -e ".[dev,vision]"
+	touch $@
+
+# The CPU part of benchmarks/RESULTS.md (under 20 minutes on 2 cores; refuses a dirty tree).
+bench: $(BENCH_BIN)/.installed
+	$(BENCH_BIN)/python benchmarks/run.py --quick
+
 demo: venv
 	$(BIN)/python examples/quickstart.py
 
@@ -27,4 +43,4 @@ lint: venv
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) lightning_logs .pytest_cache
