@@ -92,14 +92,16 @@ UNET_WIDTH = {"cpu": 16, "cuda": 64}
 
 # The --quick subset: three model families, every kind of method, the 75% budget for the
 # single-solver rows (the one all three reach at the CPU sizes); the largest batch for the GPT.
-# (torch.compile takes about a minute per cell on 2 cores, hence one budget.)
+# torch.compile takes one to two and a half minutes per cell on 2 cores with a cold cache, hence
+# one budget; "auto" is the time-centric DP wherever that fits, so no separate kusumoto-tc rows.
 QUICK = {
     "models": ["resnet50", "unet", "gpt"],
     "segments": [2, 4],
     "compile": ["0.5"],
-    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": ["75%"], "kusumoto-mc": ["75%"],
+    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": [], "kusumoto-mc": ["75%"],
                        "dynprog": ["50%"]},
     "largest_batch": ["gpt"],
+    "repeats": 3,
 }
 NO_OFFLOAD = "offloading needs a GPU (on the CPU, host memory is device memory)"
 
@@ -204,11 +206,12 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         try:
             run = lightning_remat.remat(model, x, memory_budget=memory_budget, solver=solver)
         except lightning_remat.RematInfeasibleError as exc:
-            graph = _plain_graph(model, x)
-            skipped = {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes,
-                       "plain_predicted_bytes": _plain_peak(graph)}
+            skipped = {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes}
+            if cap_bytes is None and budget.endswith("%"):
+                # The budget was this fraction of the plain plan's peak: no second profile.
+                skipped["plain_predicted_bytes"] = round(exc.budget_bytes * 100 / float(budget[:-1]))
             if method == PREDICTIONS_AT and cap_bytes is None:
-                skipped["predictions"] = predictions(graph, device, BUDGETS)
+                skipped["predictions"] = predictions(_plain_graph(model, x), device, BUDGETS)
             return skipped
         plan = run.plan
         row.update(planning_seconds=time.perf_counter() - start, solver=plan.solver,
@@ -278,22 +281,15 @@ def _plain_graph(model, x):
     return lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph
 
 
-def _plain_peak(graph) -> int:
-    """The plain plan's predicted peak: what a fractional budget is a fraction of."""
-    from lightning_remat.runtime.apply import _plain_peak as plain_peak
-
-    return plain_peak(graph)
-
-
 def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
     each budget (a fraction of the plain plan's predicted peak)."""
     from lightning_remat.budget import parse_budget
-    from lightning_remat.runtime.apply import auto_options, measured_bandwidth
+    from lightning_remat.runtime.apply import _plain_peak, auto_options, measured_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
 
     graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
-    plain = _plain_peak(graph)
+    plain = _plain_peak(graph)  # what a fractional budget is a fraction of
     step = graph.meta.get("step_seconds") or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
     cells = []
     for solver in PREDICTED_SOLVERS:
@@ -506,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure one part of each model (results merge into its file)")
     p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (and as many plain)")
+    p.add_argument("--repeats", type=int, help="timed steps per method, and as many plain ones "
+                   "(default 5; 3 with --quick)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")
@@ -522,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                                  args.repeats, args.cap)))
         return 0
 
+    if args.repeats is None:
+        args.repeats = QUICK["repeats"] if args.quick else 5
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     models = args.models.split(",") if args.models else (QUICK["models"] if args.quick else MODELS)
     unknown = [m for m in models if m not in MODELS]
