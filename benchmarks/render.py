@@ -132,8 +132,9 @@ def batch_table(record: dict[str, Any]) -> list[str]:
             continue
         best = entry.get("batch")
         ratio = f"{best / plain_batch:.2f}x" if best and plain_batch else "-"
-        probed = ", ".join(f"{b}{'' if isinstance(v, int) and v <= found['cap_bytes'] * 1.02 else '✗'}"
-                           for b, v in entry.get("probes", {}).items())
+        # The search is monotone: every batch probed above the largest one did not fit.
+        probed = ", ".join(f"{b}{'' if best is not None and int(b) <= best else '✗'}"
+                           for b in entry.get("probes", {}))
         lines.append(f"| {method_label(method)} | {best if best is not None else '-'} | {ratio} | "
                      f"{probed} | {commit} |")
     lines.append("")
