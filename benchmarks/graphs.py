@@ -160,7 +160,7 @@ def profile_model(name: str) -> Graph:
 
     from benchmarks.models import GPT, WithLoss
     from lightning_remat.graph.profile import profile_module
-    from lightning_remat.runtime.memory import set_mmap_threshold
+    from lightning_remat.meter import set_mmap_threshold
 
     if name not in PROFILED:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(PROFILED)}")

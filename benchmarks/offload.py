@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_remat.graph.ir import Graph  # noqa: E402
-from lightning_remat.solvers.offload import (  # noqa: E402
+from lightning_remat.solvers.beaumont import (  # noqa: E402
     chain_from_graph,
     dynprog_offload,
     greedy_offload,

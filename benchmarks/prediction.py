@@ -57,7 +57,7 @@ def build(name: str, batch: int, device: str):
 
 
 def worker(name: str, device: str) -> dict:
-    from lightning_remat.runtime.memory import peak_bytes, set_mmap_threshold
+    from lightning_remat.meter import peak_bytes, set_mmap_threshold
 
     if device == "cpu":
         set_mmap_threshold()
@@ -98,7 +98,7 @@ def worker(name: str, device: str) -> dict:
     result["recompute_predicted"] = plan.predicted_peak_bytes
     result["recompute_measured"] = None
     try:
-        from lightning_remat.runtime.apply import apply_plan  # the runtime, another branch
+        from lightning_remat.runtime.module import apply_plan  # the runtime, another branch
     except ImportError:
         return result
     remat = apply_plan(traced.gm, plan, root=model, charge=traced.charge)
@@ -138,7 +138,7 @@ def main() -> None:
     mib = 2**20
     print("plain: keep everything; recompute N: the vertices cut into N + 1 runs of about "
           "sqrt(n), the first N under non-reentrant checkpoint (measured where "
-          "lightning_remat.runtime.apply is importable)")
+          "lightning_remat.runtime.module is importable)")
     header = f"{'model':10} {'batch':>5} {'plan':>12} {'predicted':>12} {'measured':>12} {'error':>8}"
     print(header)
     print("-" * len(header))

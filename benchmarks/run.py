@@ -14,7 +14,7 @@ How it is measured (the same for every method):
 
 - every figure comes from a fresh process (``--worker``), so no method's allocations, caches
   or compiled code disturb another's reading;
-- the peak is the step's peak above what was resident before it (``runtime/memory.py``: the
+- the peak is the step's peak above what was resident before it (``lightning_remat/meter.py``: the
   caching allocator's peak on CUDA, VmHWM with a 64 KiB mmap threshold on the CPU), with
   gradients freed before the step as Lightning does, so allocating them is part of it;
 - the time is the median of ``--repeats`` steps after a warm-up step (compilation, planning
@@ -162,7 +162,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     it profiled (``predictions``)."""
     import torch
 
-    from lightning_remat.runtime.memory import peak_bytes, release_mmap_threshold
+    from lightning_remat.meter import peak_bytes, release_mmap_threshold
 
     device = torch.device(device_name)
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -285,7 +285,7 @@ def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
     each budget (a fraction of the plain plan's predicted peak)."""
     from lightning_remat.budget import parse_budget
-    from lightning_remat.runtime.apply import _plain_peak, auto_options, measured_bandwidth
+    from lightning_remat.runtime.module import _plain_peak, auto_options, measured_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
 
     graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))

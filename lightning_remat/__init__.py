@@ -12,7 +12,7 @@ from lightning_remat.budget import parse_budget
 from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.strategy import RematDDPStrategy, RematStrategy  # registers "remat"
+from lightning_remat.lightning.strategy import RematDDPStrategy, RematStrategy  # registers "remat"
 
 __version__ = "0.1.0"
 
@@ -23,14 +23,14 @@ __all__ = [
 
 
 def remat(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`lightning_remat.runtime.apply.remat`."""
-    from lightning_remat.runtime.apply import remat as _remat
+    """See :func:`lightning_remat.runtime.module.remat`."""
+    from lightning_remat.runtime.module import remat as _remat
 
     return _remat(*args, **kwargs)
 
 
 def find_max_batch_size(*args: Any, **kwargs: Any) -> Any:
-    """See :func:`lightning_remat.callbacks.batch_size.find_max_batch_size`."""
-    from lightning_remat.callbacks.batch_size import find_max_batch_size as _find
+    """See :func:`lightning_remat.lightning.batch_size.find_max_batch_size`."""
+    from lightning_remat.lightning.batch_size import find_max_batch_size as _find
 
     return _find(*args, **kwargs)

@@ -109,7 +109,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     import pytorch_lightning as pl
 
-    from lightning_remat.callbacks.batch_size import SyntheticTask, find_max_batch_size
+    from lightning_remat.lightning.batch_size import SyntheticTask, find_max_batch_size
 
     if not args.device.startswith("cuda") and not args.budget:
         raise ValueError("tune on CPU needs --budget (bytes or '512MiB'): nothing raises "

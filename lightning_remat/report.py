@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_remat.callbacks.memory_timeline import TAG
+from lightning_remat.lightning.memory_timeline import TAG
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pytorch_lightning.callbacks import BatchSizeFinder
 from pytorch_lightning.tuner import batch_size_scaling
 
 from lightning_remat.callbacks import RematBatchSizeFinder
-from lightning_remat.callbacks.batch_size import LightningTrial, find_max_batch_size, resize_batch
+from lightning_remat.lightning.batch_size import LightningTrial, find_max_batch_size, resize_batch
 from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.tuning import (
     BisectionSampler,
@@ -354,7 +354,7 @@ def test_plain_maximum_matches_lightning_binsearch_on_a_cpu_budget(tmp_path):
 def _pipeline_missing() -> str | None:
     """Why the trace/profile/solve/apply pipeline cannot run here (None: it can)."""
     try:
-        import lightning_remat.runtime.apply  # noqa: F401
+        import lightning_remat.runtime.module  # noqa: F401
         from lightning_remat.graph.profile import profile_module  # noqa: F401
         from lightning_remat.graph.trace import trace_module  # noqa: F401
         from lightning_remat.solvers import get_solver

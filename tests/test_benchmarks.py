@@ -59,7 +59,7 @@ def meter_restored():
     """run.measure releases the CPU meter's mmap threshold before timing (a worker process's
     last act); the tests after these need it fixed again."""
     yield
-    from lightning_remat.runtime.memory import set_mmap_threshold, trim_heap
+    from lightning_remat.meter import set_mmap_threshold, trim_heap
 
     set_mmap_threshold()
     trim_heap()

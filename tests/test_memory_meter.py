@@ -1,6 +1,6 @@
 import torch
 
-from lightning_remat.runtime.memory import peak_bytes
+from lightning_remat.meter import peak_bytes
 
 
 def test_known_allocation_reads_right_on_cpu():
@@ -27,7 +27,7 @@ def test_nothing_allocated_reads_near_zero():
 
 
 def test_release_lets_the_heap_serve_and_the_meter_fixes_it_again():
-    from lightning_remat.runtime import memory
+    from lightning_remat import meter as memory
 
     memory.release_mmap_threshold()
     assert not memory._threshold_set

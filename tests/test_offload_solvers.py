@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers import get_solver, min_budget
-from lightning_remat.solvers.offload import (
+from lightning_remat.solvers.beaumont import (
     Chain,
     _discretize,
     _dynprog_core,

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import lightning_remat
-import lightning_remat.runtime.apply as apply_module
+import lightning_remat.runtime.module as apply_module
 from lightning_remat import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
-from lightning_remat.runtime.apply import RematModule, remat
+from lightning_remat.runtime.module import RematModule, remat
 from lightning_remat.solvers import SOLVERS, get_solver, min_budget
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import simulate

@@ -158,7 +158,7 @@ def test_every_byte_is_accounted_for(seed):
 
 _REAL_MLP = r"""
 import json
-from lightning_remat.runtime.memory import peak_bytes, set_mmap_threshold
+from lightning_remat.meter import peak_bytes, set_mmap_threshold
 set_mmap_threshold()
 import torch
 from torch import nn

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 
-from lightning_remat.strategy import RematDDPStrategy
+from lightning_remat.lightning.strategy import RematDDPStrategy
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
 

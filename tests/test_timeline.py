@@ -7,11 +7,11 @@ import torch
 from test_simulate import run_isolated
 from torch import nn
 
-from lightning_remat.runtime.memory import record_timeline
+from lightning_remat.meter import record_timeline
 
 _RECORD = r"""
 import json
-from lightning_remat.runtime.memory import peak_bytes, record_timeline, set_mmap_threshold
+from lightning_remat.meter import peak_bytes, record_timeline, set_mmap_threshold
 set_mmap_threshold()
 import torch
 import torch.fx

@@ -1,5 +1,9 @@
-"""Lightning callbacks: the batch-size search and the TensorBoard memory timeline."""
+"""Lightning callbacks: the batch-size search and the TensorBoard memory timeline.
 
-from lightning_remat.callbacks.batch_size import RematBatchSizeFinder
+They live in :mod:`lightning_remat.lightning`; this package keeps the import path users know.
+"""
 
-__all__ = ["RematBatchSizeFinder"]
+from lightning_remat.lightning.batch_size import RematBatchSizeFinder
+from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
+
+__all__ = ["MemoryTimelineLogger", "RematBatchSizeFinder"]

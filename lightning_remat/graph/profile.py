@@ -53,7 +53,7 @@ from lightning_remat.graph.trace import (
     preserved_state,
     trace_module,
 )
-from lightning_remat.runtime.memory import (
+from lightning_remat.meter import (
     high_water_mark,
     peak_bytes,
     reset_high_water_mark,
@@ -132,7 +132,7 @@ class _Workspace:
 
     CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
     (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
-    :mod:`lightning_remat.runtime.memory`; it needs glibc's mmap threshold at 64 KiB and sees
+    :mod:`lightning_remat.meter`; it needs glibc's mmap threshold at 64 KiB and sees
     temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
     """
 
@@ -554,7 +554,7 @@ def profile_module(
     vertex whose storage this output shares: views and in-place ops}), ``resident_views``
     ([ids whose output is a view of an input, parameter or buffer: no new memory]),
     ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
-    (peak of one plain step measured with :func:`~lightning_remat.runtime.memory.peak_bytes`,
+    (peak of one plain step measured with :func:`~lightning_remat.meter.peak_bytes`,
     from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
     step; in safe mode the sum of the vertex times) and ``safe``.
     """

@@ -31,10 +31,10 @@ SOLVERS: dict[str, str] = {
     "kusumoto-mc": "lightning_remat.solvers.kusumoto:solve_approx_mc",
     "kusumoto-exact-tc": "lightning_remat.solvers.kusumoto:solve_exact_tc",
     "kusumoto-exact-mc": "lightning_remat.solvers.kusumoto:solve_exact_mc",
-    "lower-bound": "lightning_remat.solvers.offload:solve_lower_bound",
-    "greedy": "lightning_remat.solvers.offload:solve_greedy",
-    "dynprog": "lightning_remat.solvers.offload:solve_dynprog",
-    "vdnn": "lightning_remat.solvers.offload:solve_vdnn",
+    "lower-bound": "lightning_remat.solvers.beaumont:solve_lower_bound",
+    "greedy": "lightning_remat.solvers.beaumont:solve_greedy",
+    "dynprog": "lightning_remat.solvers.beaumont:solve_dynprog",
+    "vdnn": "lightning_remat.solvers.beaumont:solve_vdnn",
     "auto": "lightning_remat.solvers.auto:solve_auto",
 }
 

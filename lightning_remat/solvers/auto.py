@@ -9,7 +9,7 @@
    recomputation solvers (Feng & Huang's re-forwarding, Hong et al.'s Algorithm 6, Chen's
    budgeted greedy), whose plans use less memory than the DP's liveness-free formula lets it
    find; the fitting one with the least extra time is taken;
-4. if still nothing fits: ``lightning_remat.solvers.offload.solve_dynprog`` (Beaumont et al.)
+4. if still nothing fits: ``lightning_remat.solvers.beaumont.solve_dynprog`` (Beaumont et al.)
    when that module exists (imported lazily; without it the step is skipped with a note);
 5. otherwise the best infeasible plan (the least predicted peak among those tried).
 
@@ -47,7 +47,7 @@ def _kusumoto_options(options: dict[str, Any]) -> dict[str, Any]:
 def _dynprog() -> Callable[..., Plan] | None:
     """The offloading solver, when the module another helper writes is present."""
     try:
-        module = importlib.import_module("lightning_remat.solvers.offload")
+        module = importlib.import_module("lightning_remat.solvers.beaumont")
     except ImportError:
         return None
     return getattr(module, "solve_dynprog", None)
@@ -117,7 +117,7 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
     if not options.get("allow_offload", True):
         notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
     elif dynprog is None:
-        notes.append("dynprog skipped: lightning_remat.solvers.offload.solve_dynprog is not available")
+        notes.append("dynprog skipped: lightning_remat.solvers.beaumont.solve_dynprog is not available")
     else:
         try:
             # Beaumont et al. on the stage chain of the memory-centric plan (DESIGN.md 4.6).

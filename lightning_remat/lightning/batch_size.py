@@ -4,9 +4,9 @@ Lightning's ``BatchSizeFinder`` doubles the batch until an OOM and bisects; it c
 that another rematerialization plan would make a bigger batch fit. This callback runs the
 same kind of search (an Optuna study, see :mod:`lightning_remat.tuning`) where a trial at
 batch size ``b`` is what ``Trainer(strategy=RematStrategy(...))`` would do at ``b``: trace,
-profile, solve for the budget and apply the plan (:class:`~lightning_remat.runtime.planner.ShapePlanner`),
+profile, solve for the budget and apply the plan (:class:`~lightning_remat.planner.ShapePlanner`),
 then run ``steps_per_trial`` real training steps and measure their peak
-(:func:`~lightning_remat.runtime.memory.peak_bytes`). A trial is feasible when a plan
+(:func:`~lightning_remat.meter.peak_bytes`). A trial is feasible when a plan
 exists, nothing runs out of memory and the measured peak is within the budget. The same
 search with solver ``"plain"`` (no rematerialization) gives plain training's maximum for
 the report. The weights, optimizer state, BatchNorm statistics and RNG are restored after
@@ -41,7 +41,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_remat.budget import parse_budget
-from lightning_remat.runtime.memory import peak_bytes
+from lightning_remat.meter import peak_bytes
 from lightning_remat.runtime.state import preserved_training_state
 from lightning_remat.tuning import BatchSizeReport, SearchResult, TrialFn, TrialResult, run_search
 
@@ -59,7 +59,7 @@ def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | N
                    sample_shape: str = "") -> str:
     """``<ModelClass>|<device>|<budget bytes>|<solver>[|<per-sample input shapes>]``: one
     study per setting, so a resumed search only reuses trials that measured the same thing."""
-    from lightning_remat.runtime.planner import device_name
+    from lightning_remat.planner import device_name
 
     parts = [type(model).__name__, device_name(torch.device(device)), f"{budget_bytes}B", solver]
     if sample_shape:
@@ -228,8 +228,8 @@ class LightningTrial:
             batch = self.batch(batch_size)
             forward = None
             if self.solver != PLAIN:
-                from lightning_remat.runtime.cache import PlanCache
-                from lightning_remat.runtime.planner import ShapePlanner
+                from lightning_remat.cache import PlanCache
+                from lightning_remat.planner import ShapePlanner
 
                 args, kwargs = self._capture_call(batch)
                 planner = ShapePlanner(
@@ -366,7 +366,7 @@ class RematBatchSizeFinder(Callback):
 
     # ---- the search -----------------------------------------------------------------------
     def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
-        from lightning_remat.strategy import _RematLogic
+        from lightning_remat.lightning.strategy import _RematLogic
 
         strategy = trainer.strategy
         settings: dict[str, Any] = {"target": None, "profile_repeats": 3, "safe_profile": False,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_remat.errors import format_bytes
-from lightning_remat.runtime import memory
+from lightning_remat import meter as memory
 
 try:
     import pytorch_lightning as pl

@@ -25,8 +25,8 @@ import torch
 
 from lightning_remat.budget import validate_budget
 from lightning_remat.graph.ir import Graph
-from lightning_remat.runtime.cache import PlanCache
-from lightning_remat.runtime.planner import PlannedModule, ShapePlanner, summary
+from lightning_remat.cache import PlanCache
+from lightning_remat.planner import PlannedModule, ShapePlanner, summary
 from lightning_remat.solvers import SOLVERS
 from lightning_remat.solvers.plan import Plan
 
@@ -106,14 +106,14 @@ class _RematLogic:
         self._target_module = module
 
     def _solver_options(self) -> dict[str, Any]:
-        from lightning_remat.runtime.apply import auto_options
+        from lightning_remat.runtime.module import auto_options
 
         return auto_options(self.solver, self.root_device, self.offload)
 
     @staticmethod
     def _add_dashboards(trainer: Any) -> bool:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
-        from lightning_remat.callbacks.memory_timeline import MemoryTimelineLogger
+        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False

@@ -19,7 +19,7 @@ from torch import nn
 from lightning_remat.budget import parse_budget, validate_budget
 from lightning_remat.errors import format_bytes
 from lightning_remat.graph.ir import Graph
-from lightning_remat.runtime.cache import CacheKey, PlanCache
+from lightning_remat.cache import CacheKey, PlanCache
 from lightning_remat.solvers.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class PlannedModule:
     def measure_timeline(self) -> list:
         """Live bytes after every op of one real step of the planned module on the planned
         call; parameters, gradients and buffers are restored afterwards."""
-        from lightning_remat.runtime.memory import record_timeline
+        from lightning_remat.meter import record_timeline
         from lightning_remat.runtime.state import preserved_training_state
 
         if self.example is None:
@@ -166,7 +166,7 @@ class ShapePlanner:
         # The same steps as remat(): trace, profile, budget, solve, apply; plus the cache,
         # plans restored from a checkpoint, and rank zero's plan broadcast under DDP.
         from lightning_remat.graph.trace import preserved_state
-        from lightning_remat.runtime.apply import (
+        from lightning_remat.runtime.module import (
             _device_budget,
             _plain_peak,
             _trace,

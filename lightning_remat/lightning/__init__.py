@@ -1,0 +1,1 @@
+"""Lightning integration: the strategies and the callbacks (imports pytorch_lightning)."""
