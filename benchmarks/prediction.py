@@ -65,8 +65,7 @@ def worker(name: str, device: str) -> dict:
 
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
-    from lightning_remat.solvers.plan import make_plan
-    from lightning_remat.solvers.simulate import simulate
+    from lightning_remat.solvers.simulate import make_plan, simulate
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     batch, _ = MODELS[name]
@@ -97,10 +96,8 @@ def worker(name: str, device: str) -> dict:
     result["recompute_stages"] = len(chunks) - 1
     result["recompute_predicted"] = plan.predicted_peak_bytes
     result["recompute_measured"] = None
-    try:
-        from lightning_remat.runtime.module import apply_plan  # the runtime, another branch
-    except ImportError:
-        return result
+    from lightning_remat.runtime.module import apply_plan
+
     remat = apply_plan(traced.gm, plan, root=model, charge=traced.charge)
     step_remat = lambda: remat(*inputs).backward()  # noqa: E731
     step_remat()
@@ -122,7 +119,7 @@ def main() -> None:
         return
 
     # This checkout is importable in the workers (after any PYTHONPATH the caller set); the
-    # mmap threshold is fixed from the workers' start (DESIGN.md section 6).
+    # mmap threshold is fixed from the workers' start (docs/design.md section 6).
     path = [p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), MALLOC_MMAP_THRESHOLD_="65536")
     env.setdefault("OMP_NUM_THREADS", "2")
@@ -137,8 +134,7 @@ def main() -> None:
         print(f"  {name}: batch {MODELS[name][0]}, {MODELS[name][1]}")
     mib = 2**20
     print("plain: keep everything; recompute N: the vertices cut into N + 1 runs of about "
-          "sqrt(n), the first N under non-reentrant checkpoint (measured where "
-          "lightning_remat.runtime.module is importable)")
+          "sqrt(n), the first N under non-reentrant checkpoint)")
     header = f"{'model':10} {'batch':>5} {'plan':>12} {'predicted':>12} {'measured':>12} {'error':>8}"
     print(header)
     print("-" * len(header))

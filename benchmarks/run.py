@@ -1,4 +1,4 @@
-"""The comparison table (issue 9): every model, every method, measured the same way.
+"""The comparison table: every model, every method, measured the same way.
 
 For each model and method: the measured peak of one training step, its time, how far its
 gradients and BatchNorm statistics are from the plain model's, and the largest batch whose
@@ -216,7 +216,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         plan = run.plan
         row.update(planning_seconds=time.perf_counter() - start, solver=plan.solver,
                    recomputed=plan.count("recompute"), offloaded=plan.count("offload"),
-                   budget_bytes=run._remat_planner.budget_bytes,
+                   budget_bytes=run.budget_bytes,
                    predicted_peak_bytes=plan.predicted_peak_bytes,
                    predicted_extra_seconds=plan.predicted_extra_seconds,
                    profiled_step_seconds=run.graph.meta.get("step_seconds"))
@@ -285,15 +285,16 @@ def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
     each budget (a fraction of the plain plan's predicted peak)."""
     from lightning_remat.budget import parse_budget
-    from lightning_remat.runtime.module import _plain_peak, auto_options, measured_bandwidth
+    from lightning_remat.planner import plain_peak_bytes, solver_options
+    from lightning_remat.runtime.offload import measure_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
 
-    graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
-    plain = _plain_peak(graph)  # what a fractional budget is a fraction of
+    graph.meta.setdefault("bandwidth_bytes_per_s", measure_bandwidth(device))
+    plain = plain_peak_bytes(graph)  # what a fractional budget is a fraction of
     step = graph.meta.get("step_seconds") or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
     cells = []
     for solver in PREDICTED_SOLVERS:
-        options = auto_options(solver, device) if solver == "auto" else {}
+        options = solver_options(solver, device)
         for budget in budgets:
             budget_bytes = parse_budget(budget, plain)
             start = time.perf_counter()
@@ -351,7 +352,7 @@ def spawn(args: argparse.Namespace, model: str, method: str, batch: int, size: i
            "--repeats", str(args.repeats)]
     if cap_bytes is not None:
         cmd += ["--cap", str(cap_bytes)]
-    # The CPU meter's threshold fixed from the process's first allocation (DESIGN.md section 6).
+    # The CPU meter's threshold fixed from the process's first allocation (docs/design.md section 6).
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)

@@ -1,4 +1,4 @@
-"""Solver benchmark: speed (issue 3 item 8) and a comparison on profiled models (item 9).
+"""Solver benchmark: speed on large graphs and a comparison on profiled models.
 
 Run from the repository root::
 
@@ -147,10 +147,9 @@ def speed(repeats: int) -> None:
     row("hong Algorithm 6", text, 0.5, seconds)
     seconds, _ = best_of(lambda: solve_hong_linear(long_chain, None), repeats)
     row("hong solve_hong_linear (plan)", text, None, seconds)
-    print(table(rows, f"Speed (best of {repeats}, cold caches, time.perf_counter; targets from "
-                      "issue 3 item 8)"))
+    print(table(rows, f"Speed (best of {repeats}, cold caches, time.perf_counter)"))
     print("  solve_hong_linear end to end also builds the stages and simulates the plan "
-          "(no target in issue 3).")
+          "(no target set).")
 
 
 # ---- 2. comparison -------------------------------------------------------------------------

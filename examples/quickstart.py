@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_remat
-from lightning_remat.errors import format_bytes
+from lightning_remat.budget import format_bytes
 from lightning_remat.meter import peak_bytes
 
 
@@ -68,7 +68,7 @@ def main() -> int:
     root = Path("lightning_logs") / "quickstart"
     print(f"lightning-remat {lightning_remat.__version__}, torch {torch.__version__}, CPU")
     plain = train("auto", root / "plain")
-    strategy = lightning_remat.lightning.strategy.RematStrategy(memory_budget="50%", cache_dir=root / "cache")
+    strategy = lightning_remat.RematStrategy(memory_budget="50%", cache_dir=root / "cache")
     # With a TensorBoard logger the strategy adds the memory dashboards by itself.
     tensorboard = TensorBoardLogger(str(root), name="tensorboard")
     remat = train(strategy, root / "remat", logger=tensorboard)

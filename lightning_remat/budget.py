@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+__all__ = ["ACCEPTED_FORMS", "format_bytes", "parse_budget", "validate_budget"]
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -69,3 +71,13 @@ def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None 
 def validate_budget(budget: int | float | str | None) -> None:
     """Raise the ValueError parse_budget would, without knowing the plain peak yet."""
     parse_budget(budget, plain_peak_bytes=2**50)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number above 1 (``'1.50 GiB'``)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -21,23 +21,26 @@ from typing import Any
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
 class CacheKey:
+    """Everything that decided a cached plan."""
+
     graph_hash: str
-    input_shapes: tuple
-    dtype: str
+    """The traced graph's structure (:meth:`Graph.graph_hash`)."""
+    input_key: str
+    """The call's input key as text: tensor shapes, dtypes, non-tensor values."""
     device_name: str
-    budget_bytes: int | None
+    budget: str
+    """The budget as the user wrote it (``"60%"``, ``"4GiB"``, ``"None"``)."""
     solver: str
+    """The solver's name and options."""
 
     def digest(self) -> str:
-        text = json.dumps(
-            [SCHEMA_VERSION, self.graph_hash, [list(s) for s in self.input_shapes], self.dtype,
-             self.device_name, self.budget_bytes, self.solver]
-        )
+        text = json.dumps([SCHEMA_VERSION, self.graph_hash, self.input_key, self.device_name,
+                           self.budget, self.solver])
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -97,9 +100,8 @@ class PlanCache:
 
     def put(self, key: CacheKey, graph: Graph, plan: Plan) -> None:
         description: dict[str, Any] = {
-            "graph_hash": key.graph_hash, "input_shapes": [list(s) for s in key.input_shapes],
-            "dtype": key.dtype, "device": key.device_name, "budget_bytes": key.budget_bytes,
-            "solver": key.solver,
+            "graph_hash": key.graph_hash, "input_key": key.input_key, "device": key.device_name,
+            "budget": key.budget, "solver": key.solver,
         }
         with closing(self._connect()) as db, db:
             db.execute(

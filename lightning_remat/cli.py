@@ -7,7 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from lightning_remat.errors import RematError, RematInfeasibleError, format_bytes
+from lightning_remat.budget import format_bytes
+from lightning_remat.errors import RematError, RematInfeasibleError
 
 
 def load_model(spec: str):
@@ -52,20 +53,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plan(plan, graph) -> None:
-    print(f"solver: {plan.solver}   feasible: {plan.feasible}")
-    print(f"predicted peak: {format_bytes(plan.predicted_peak_bytes)}   "
-          f"predicted extra time: {plan.predicted_extra_seconds * 1e3:.3f} ms")
-    print(f"{'stage':>5}  {'action':<9} {'vertices':>8}  {'bytes':>12}  first .. last")
-    for k, stage in enumerate(plan.stages):
-        nbytes = graph.total("mem", stage.nodes)
-        print(f"{k:>5}  {stage.action:<9} {len(stage.nodes):>8}  {format_bytes(nbytes):>12}  "
-              f"{stage.nodes[0]} .. {stage.nodes[-1]}")
-    print(f"stored: {len(plan.stored)} vertices, {format_bytes(graph.total('mem', plan.stored))}")
-    for note in plan.notes:
-        print(f"note: {note}")
-
-
 def _cmd_solve(args: argparse.Namespace) -> int:
     from lightning_remat.budget import parse_budget
     from lightning_remat.graph.ir import Graph
@@ -79,7 +66,9 @@ def _cmd_solve(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json(indent=1))
     else:
-        _print_plan(plan, graph)
+        from lightning_remat.report import format_plan
+
+        print(format_plan(graph, plan, budget_bytes=budget))
     return 0
 
 
@@ -109,7 +98,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     import pytorch_lightning as pl
 
-    from lightning_remat.lightning.batch_size import SyntheticTask, find_max_batch_size
+    from lightning_remat.lightning.batch_size import find_max_batch_size
+    from lightning_remat.lightning.synthetic import SyntheticTask
 
     if not args.device.startswith("cuda") and not args.budget:
         raise ValueError("tune on CPU needs --budget (bytes or '512MiB'): nothing raises "

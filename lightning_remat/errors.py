@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-
-def format_bytes(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number above 1 (``'1.50 GiB'``)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+from lightning_remat.budget import format_bytes
 
 
 class RematError(Exception):

@@ -1,4 +1,4 @@
-"""The memory meter: the truth every prediction is held to (DESIGN.md section 6).
+"""The memory meter: the truth every prediction is held to (docs/design.md section 6).
 
 CUDA: the caching allocator's peak above what was allocated before the call.
 CPU: glibc's mmap threshold is fixed at 64 KiB so each tensor buffer is its own mapping,

@@ -1,253 +1,374 @@
-"""Plans for a module, one per input shape: trace, then the cache or profile + solve, then apply.
+"""The one planner: a plan per input of a module, made the same way for ``remat()``, the
+Lightning strategies and the batch-size search.
 
-This is the engine behind both ``remat()`` and the Lightning strategy. It holds no Lightning
-code; the strategy passes in its logger and, under DDP, a ``broadcast`` so every rank uses
-rank zero's plan.
+For a call whose input key (:func:`input_key`) is new, :class:`Planner` traces the module,
+takes the plan restored from a checkpoint or the plan cache when there is one, or else
+profiles the module on its device, turns the budget into bytes and solves; under DDP rank
+zero plans and every rank applies its plan (``broadcast``). The plan is compiled into a
+variant of one :class:`~lightning_remat.runtime.module.RematModule`, which then runs every
+call with that key.
+
+A budget given as a fraction (``"60%"``, ``0.6``) is a fraction of the plain step's
+profiled peak for the input being planned: each new input shape is held to its own share.
+``None`` is the device's free memory less a margin on CUDA and no limit elsewhere.
+
+This module holds no Lightning code; the strategy passes in its broadcast and a callback.
 """
 
 from __future__ import annotations
 
-import logging
+import inspect
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_remat.budget import parse_budget, validate_budget
-from lightning_remat.errors import format_bytes
-from lightning_remat.graph.ir import Graph
 from lightning_remat.cache import CacheKey, PlanCache
+from lightning_remat.device import (
+    default_budget,
+    device_name,
+    module_device,
+    move_to_device,
+    preserved_state,
+    preserved_training_state,
+)
+from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.trace import trace_module
+from lightning_remat.meter import TimelinePoint, record_timeline
+from lightning_remat.runtime.module import RematModule, Variant, build_variant
+from lightning_remat.runtime.offload import measure_bandwidth
+from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.simulate import Timeline
 
-log = logging.getLogger(__name__)
+__all__ = ["InputKey", "PlanSettings", "Planned", "Planner", "input_key", "plain_peak_bytes", "remat"]
+
+InputKey = tuple
+"""What a plan depends on in a call: every tensor's shape, dtype and device type, every
+other argument's value, with the forward's defaults filled in."""
 
 
-def shape_key(args: tuple, kwargs: dict) -> tuple:
-    """The shapes and dtypes of the tensors in a call, in order (what a plan depends on)."""
-    out: list = []
+def input_key(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> InputKey:
+    """The :data:`InputKey` of a call of a forward with ``signature`` (None: unknown, the
+    arguments are taken as given). ``f(x)`` and ``f(x, flag=True)`` share a key when
+    ``True`` is the default."""
+    values: Any = (args, kwargs)
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            values = (tuple(bound.arguments.values()), {})
+    leaves: list[Hashable] = []
 
     def visit(value: Any) -> None:
         if isinstance(value, torch.Tensor):
-            out.append((tuple(value.shape), str(value.dtype)))
+            leaves.append(("tensor", tuple(value.shape), str(value.dtype), value.device.type))
         elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
+            leaves.append(type(value).__name__)
+            for item in value:
+                visit(item)
         elif isinstance(value, dict):
-            for k in sorted(value, key=str):
-                visit(value[k])
+            for key in sorted(value, key=repr):
+                leaves.append(repr(key))
+                visit(value[key])
+        else:
+            leaves.append(repr(value))
 
-    visit(args)
-    visit(kwargs)
-    return tuple(out)
-
-
-def device_of(module: nn.Module, args: tuple) -> torch.device:
-    for value in list(args):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+    visit(values)
+    return tuple(leaves)
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
+def _same_values(key_a: InputKey, key_b: InputKey) -> bool:
+    """Whether two input keys differ in tensor shapes only (same non-tensor values)."""
+    if len(key_a) != len(key_b):
+        return False
+    return all(
+        (isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("tensor",)
+         and a[2:] == b[2:]) or a == b
+        for a, b in zip(key_a, key_b)
+    )
+
+
+def shapes_of(key: InputKey) -> list[list[int]]:
+    """The tensor shapes in an input key, in order."""
+    return [list(leaf[1]) for leaf in key if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
+
+
+def plain_peak_bytes(graph: Graph) -> int:
+    """The plain step's peak: measured by the profiler, else simulated."""
+    measured = graph.meta.get("plain_peak_bytes")
+    return int(measured) if measured else int(simulate(graph).peak_bytes)
+
+
+def solver_options(solver: str, device: torch.device, offload: bool = True) -> dict[str, Any]:
+    """Options of ``solver="auto"`` on a device: offloading only where a host memory apart
+    from the device's exists (on the CPU, "offloaded" bytes stay in the same RAM)."""
+    if solver != "auto":
+        return {}
+    return {"allow_offload": offload and torch.device(device).type == "cuda"}
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What decides a plan besides the module and its inputs."""
+
+    memory_budget: int | float | str | None = None
+    """Bytes, a size string (``"4GiB"``), a fraction of the plain peak (``"60%"``, 0.6) or
+    None (free device memory less a margin on CUDA, no limit elsewhere)."""
+    solver: str = "auto"
+    profile_repeats: int = 3
+    """Measured repeats when profiling."""
+    safe_profile: bool = False
+    """Profile op by op, so profiling fits where a plain step would not."""
+    offload: bool = True
+    """Let ``solver="auto"`` fall back to offloading (on CUDA only)."""
+
+    def __post_init__(self) -> None:
+        validate_budget(self.memory_budget)  # a malformed budget fails before any profiling
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver={self.solver!r}: choose one of {sorted(SOLVERS)}")
+        if isinstance(self.profile_repeats, bool) or not isinstance(self.profile_repeats, int) \
+                or self.profile_repeats < 1:
+            raise ValueError(f"profile_repeats={self.profile_repeats!r} must be an int >= 1")
+
+    def budget_bytes(self, graph: Graph, device: torch.device) -> int | None:
+        """The budget in bytes for the input ``graph`` was profiled on."""
+        if self.memory_budget is None:
+            return default_budget(device)
+        return parse_budget(self.memory_budget, plain_peak_bytes(graph))
 
 
 @dataclass
-class PlannedModule:
-    """A plan applied to a module for one input shape."""
+class Planned:
+    """A plan made for one input key, and the module that runs it."""
 
-    module: nn.Module
-    graph: Graph
-    plan: Plan
-    budget_bytes: int | None
-    from_cache: bool
-    example: tuple[tuple, dict] | None = None
+    key: InputKey
+    variant: Variant
+    module: RematModule
+    example: tuple[tuple, dict] | None = field(default=None, repr=False)
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
 
-    def predicted_timeline(self):  # -> solvers.simulate.Timeline
-        """Live bytes after every op of a step under this plan, as the simulator predicts."""
-        from lightning_remat.solvers.simulate import simulate
+    @property
+    def graph(self) -> Graph:
+        assert self.variant.graph is not None
+        return self.variant.graph
 
+    @property
+    def plan(self) -> Plan:
+        return self.variant.plan
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.variant.budget_bytes
+
+    @property
+    def from_cache(self) -> bool:
+        return self.variant.from_cache
+
+    def predicted_timeline(self) -> Timeline:
+        """Live bytes after every op of a step under this plan, as the simulator predicts."""
         return simulate(self.graph, self.plan)
 
-    def measure_timeline(self) -> list:
+    def measure_timeline(self) -> list[TimelinePoint]:
         """Live bytes after every op of one real step of the planned module on the planned
         call; parameters, gradients and buffers are restored afterwards."""
-        from lightning_remat.meter import record_timeline
-        from lightning_remat.runtime.state import preserved_training_state
-
         if self.example is None:
             return []
-        device = device_of(self.module, ())
-        args, kwargs = _to_device(self.example, device)
-        with preserved_training_state(self.module):
-            return record_timeline(self.module, args if not kwargs else (*args, *kwargs.values()))
+        args, kwargs = move_to_device(self.example, module_device(self.module))
+        selector = self.module._remat_select
+        # This very plan, whatever the selector would pick for a traced or hooked call.
+        self.module.set_variant_selector(None)
+        self.module.set_current(self.variant)
+        try:
+            with preserved_training_state(self.module):
+                return record_timeline(self.module, args if not kwargs else (*args, *kwargs.values()))
+        finally:
+            self.module.set_variant_selector(selector)
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+class Planner:
+    """Plans ``module`` once per input key and runs every call through the plan for its key.
 
-
-class ShapePlanner:
-    """Builds and keeps one planned module per input shape of ``module``."""
+    ``cache``: plans on disk, looked up before profiling. ``restored``: graph and plan JSON
+    by ``repr(input key)`` (from a checkpoint), used before the cache. ``broadcast(obj)``:
+    rank zero's object on every rank (DDP); only rank zero profiles and solves.
+    ``on_plan(planned)``: called after each new plan. ``keep_example``: keep each planned
+    call on the host for :meth:`Planned.measure_timeline`.
+    """
 
     def __init__(
         self,
         module: nn.Module,
-        memory_budget: int | float | str | None = None,
-        solver: str = "auto",
+        settings: PlanSettings | None = None,
         *,
         cache: PlanCache | None = None,
-        profile_repeats: int = 3,
-        safe_profile: bool = False,
-        broadcast: Callable[[Any], Any] | None = None,
-        on_plan: Callable[[PlannedModule, tuple], None] | None = None,
         restored: dict[str, tuple[str, str]] | None = None,
+        broadcast: Callable[[Any], Any] | None = None,
+        on_plan: Callable[[Planned], None] | None = None,
         keep_example: bool = False,
-        solver_options: dict[str, Any] | None = None,
     ) -> None:
-        validate_budget(memory_budget)  # fail now on a malformed budget
         self.module = module
-        self.memory_budget = memory_budget
-        self.solver = solver
+        self.settings = settings or PlanSettings()
         self.cache = cache
-        self.profile_repeats = profile_repeats
-        self.safe_profile = safe_profile
+        self.restored = restored if restored is not None else {}
         self.broadcast = broadcast
         self.on_plan = on_plan
-        self.planned: dict[tuple, PlannedModule] = {}
-        self.restored = restored if restored is not None else {}
-        """Graph and plan JSON by ``repr(shape key)``, e.g. from a checkpoint: used before
-        the cache."""
-        self.busy = False
-        """True while planning: the module's own forward must run plainly then."""
         self.keep_example = keep_example
-        self.solver_options = dict(solver_options or {})
-        self.last: PlannedModule | None = None
-        """The entry used by the latest call."""
+        self.planned: dict[InputKey, Planned] = {}
+        self.last: Planned | None = None
+        """The plan of the latest training call."""
+        self.busy = False
+        """True while planning: a forward the strategy wraps must then run plainly."""
+        self.remat_module = RematModule(module)
+        self.remat_module.set_variant_selector(self._select)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+        self._warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self.planned_for(args, kwargs)
-        return self.last.module(*args, **kwargs)
+        return self.remat_module(*args, **kwargs)
 
-    def planned_for(self, args: tuple, kwargs: dict) -> PlannedModule:
-        key = shape_key(args, kwargs)
+    def key(self, args: tuple, kwargs: dict) -> InputKey:
+        return input_key(self._signature, args, kwargs)
+
+    def planned_for(self, args: tuple, kwargs: dict) -> Planned:
+        """The plan for this call's inputs, made now if they are new."""
+        key = self.key(args, kwargs)
         entry = self.planned.get(key)
-        if entry is None:
-            if self.planned:
-                warnings.warn(
-                    f"lightning-remat: input shapes changed to {[s for s, _ in key]}; planning "
-                    "again for them (the budget holds for every shape planned)", stacklevel=3,
-                )
-            self.busy = True
-            try:
-                entry = self._plan(args, kwargs, key)
-            finally:
-                self.busy = False
-            self.planned[key] = entry
-            if self.on_plan is not None:
-                self.on_plan(entry, key)
+        if entry is not None:
+            return entry
+        if self.planned and not self._warned:
+            previous = next(reversed(self.planned))
+            warnings.warn(
+                "lightning_remat: the inputs differ from the ones the plan was made for "
+                f"(shapes {shapes_of(previous)} -> {shapes_of(key)}, or non-tensor arguments); "
+                "re-planning for them (each new input is planned once and cached)",
+                stacklevel=4,
+            )
+            self._warned = True
+        self.busy = True
+        try:
+            entry = self._plan(args, kwargs, key)
+        finally:
+            self.busy = False
+        self.planned[key] = entry
+        self.remat_module.variants[key] = entry.variant
+        if self.on_plan is not None:
+            self.on_plan(entry)
         return entry
 
-    def _plan(self, args: tuple, kwargs: dict, key: tuple) -> PlannedModule:
-        # The same steps as remat(): trace, profile, budget, solve, apply; plus the cache,
-        # plans restored from a checkpoint, and rank zero's plan broadcast under DDP.
-        from lightning_remat.graph.trace import preserved_state
-        from lightning_remat.runtime.module import (
-            _device_budget,
-            _plain_peak,
-            _trace,
-            apply_plan,
-            measured_bandwidth,
-        )
-        from lightning_remat.solvers import plain_plan, solve
+    def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
+        if not training and self.last is not None:
+            key = self.key(args, kwargs)
+            if key not in self.planned and _same_values(key, self.last.key):
+                # Nothing is recomputed here and the traced code is shape-generic: an
+                # evaluation batch of another size needs no plan of its own.
+                return self.last.variant
+        self.last = self.planned_for(args, kwargs)
+        return self.last.variant
 
-        device = device_of(self.module, args)
-        with preserved_state(self.module, [device]):
-            traced = _trace(self.module, args, kwargs)
-        cache_key = None
+    # ---- planning one input ---------------------------------------------------------------
+    def _plan(self, args: tuple, kwargs: dict, key: InputKey) -> Planned:
+        module, settings = self.module, self.settings
+        device = module_device(module, args)
+        options = solver_options(settings.solver, device, settings.offload)
+        with preserved_state(module, [device]):
+            traced = trace_module(module, args, kwargs)
         graph: Graph | None = None
         plan: Plan | None = None
         from_cache = False
         if repr(key) in self.restored:
             graph_json, plan_json = self.restored[repr(key)]
             graph, plan, from_cache = Graph.from_json(graph_json), Plan.from_json(plan_json), True
-        if plan is None and (self.broadcast is None or self._is_rank_zero()):
+        if plan is None and self._plans_here():
+            cache_key = None
             if self.cache is not None:
-                budget_key = self.memory_budget if isinstance(self.memory_budget, int) else str(self.memory_budget)
-                options = ",".join(f"{k}={v}" for k, v in sorted(self.solver_options.items()))
                 cache_key = CacheKey(
-                    traced.graph.graph_hash(), tuple(s for s, _ in key),
-                    ",".join(sorted({d for _, d in key})), device_name(device),
-                    budget_key, f"{self.solver}[{options}]",  # type: ignore[arg-type]
+                    graph_hash=traced.graph.graph_hash(), input_key=repr(key),
+                    device_name=device_name(device), budget=str(settings.memory_budget),
+                    solver=settings.solver + repr(sorted(options.items())),
                 )
                 hit = self.cache.get(cache_key)
                 if hit is not None:
                     graph, plan, from_cache = hit.graph, hit.plan, True
             if plan is None:
-                from lightning_remat.graph.profile import profile_module
-
                 graph = profile_module(
-                    self.module, args, example_kwargs=kwargs or None, repeats=self.profile_repeats,
-                    safe=self.safe_profile, traced=traced,
+                    module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
+                    safe=settings.safe_profile, traced=traced,
                 )
-                graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
-                budget = parse_budget(self.memory_budget, _plain_peak(graph))
-                if budget is None:
-                    budget = _device_budget(device)
-                if budget is None:
-                    plan = plain_plan(graph)
-                else:
-                    plan = solve(graph, budget, self.solver, **self.solver_options)
+                # The offloading solvers (and "auto", which ends with them) need beta.
+                graph.meta.setdefault("bandwidth_bytes_per_s", measure_bandwidth(device))
+                budget = settings.budget_bytes(graph, device)
+                plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
                 if cache_key is not None:
                     self.cache.put(cache_key, graph, plan)
         if self.broadcast is not None:
-            payload = self.broadcast(
-                None if plan is None else (graph.to_json(), plan.to_json(), from_cache)
-            )
-            graph, plan = Graph.from_json(payload[0]), Plan.from_json(payload[1])
-            from_cache = payload[2]
+            payload = self.broadcast(None if plan is None else (graph.to_json(), plan.to_json(), from_cache))
+            graph, plan, from_cache = Graph.from_json(payload[0]), Plan.from_json(payload[1]), payload[2]
         assert graph is not None and plan is not None
-        budget = parse_budget(self.memory_budget, _plain_peak(graph)) or _device_budget(device)
-        module = apply_plan(traced.runner, plan, root=self.module, charge=traced.charge)
-        example = _to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
-        return PlannedModule(module, graph, plan, budget, from_cache, example)
+        variant = build_variant(traced.runner, plan, self.remat_module, module, traced.charge)
+        variant.graph = graph
+        variant.budget_bytes = settings.budget_bytes(graph, device)
+        variant.from_cache = from_cache
+        example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
+        return Planned(key, variant, self.remat_module, example)
 
-    def _is_rank_zero(self) -> bool:
+    def _plans_here(self) -> bool:
+        """Without a broadcast every process plans; with one, rank zero only."""
+        if self.broadcast is None:
+            return True
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_rank() == 0
         return True
 
 
-def summary(entry: PlannedModule, shapes: tuple) -> str:
-    """One screen: plain peak, budget, predicted peak, solver, stages, extra time."""
-    graph, plan = entry.graph, entry.plan
-    plain = graph.meta.get("plain_peak_bytes")
-    lines = [
-        "lightning-remat plan" + (" (from cache)" if entry.from_cache else ""),
-        f"  input shapes     : {[list(s) for s, _ in shapes]}",
-        f"  plain peak       : {format_bytes(plain) if plain else 'not measured'}",
-        f"  budget           : {format_bytes(entry.budget_bytes) if entry.budget_bytes else 'none'}",
-        f"  predicted peak   : {format_bytes(plan.predicted_peak_bytes)}",
-        f"  solver           : {plan.solver}",
-        f"  stages           : {len(plan.stages)} ({plan.count('recompute')} recomputed, "
-        f"{plan.count('offload')} offloaded, {plan.count('keep')} kept)",
-        f"  predicted extra  : {plan.predicted_extra_seconds * 1e3:.2f} ms per step",
-    ]
-    step = graph.meta.get("step_seconds")
-    if step:
-        lines[-1] += f" ({100 * plan.predicted_extra_seconds / step:.1f}% of the profiled step)"
-    return "\n".join(lines)
+def remat(
+    module: nn.Module,
+    example_input: Any,
+    memory_budget: int | float | str | None = None,
+    solver: str = "auto",
+    device: str | torch.device | None = None,
+) -> RematModule:
+    """``module`` rematerialized to train within ``memory_budget``.
+
+    ``example_input``: a tensor, a tuple of positional inputs, or a dict of keyword inputs.
+    ``memory_budget``: bytes, a size string (``"4GiB"``, ``"512MB"``) or a fraction of the
+    plain step's profiled peak (``"60%"``, ``0.6``; for each input shape, of that shape's own
+    plain peak); None means the device's free memory on CUDA and no limit on CPU (the result
+    then runs the plain plan, with its profile in ``.graph``). ``device``: where to profile
+    and train (the module is moved there; default: where its parameters are).
+
+    The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
+    ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a
+    one-time warning) so a changed shape never silently exceeds the budget. Raises
+    ``ValueError`` for a malformed budget and
+    :class:`~lightning_remat.errors.RematInfeasibleError` (with the smallest feasible budget)
+    when no plan fits.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remat() needs a torch.nn.Module, got {type(module).__name__}")
+    settings = PlanSettings(memory_budget, solver)
+    if device is not None:
+        module.to(torch.device(device))
+    target = module_device(module)
+    if isinstance(example_input, dict):
+        inputs, kwargs = (), dict(example_input)
+    elif isinstance(example_input, (tuple, list)):
+        inputs, kwargs = tuple(example_input), {}
+    else:
+        inputs, kwargs = (example_input,), {}
+    inputs, kwargs = move_to_device(inputs, target), move_to_device(kwargs, target)
+    planner = Planner(module, settings)
+    planner.last = planner.planned_for(inputs, kwargs)
+    planner.remat_module.set_current(planner.last.variant)
+    return planner.remat_module

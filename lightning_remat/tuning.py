@@ -1,4 +1,4 @@
-"""The largest feasible batch size: an Optuna study over one integer (issue 7, DESIGN.md section 7).
+"""The largest feasible batch size: an Optuna study over one integer (docs/design.md section 7).
 
 A *trial* is a function ``batch_size -> TrialResult``: plan for that batch size, run a few
 real steps and measure the peak (see :mod:`lightning_remat.lightning.batch_size` for the
@@ -12,7 +12,8 @@ Lightning trial). This module holds what does not depend on Lightning:
 - :func:`run_search`, which drives the study: one Optuna trial per size the sampler
   proposes, infeasible results (no plan, OOM, peak over budget) recorded as completed trials
   that violate the constraint ``within_budget``, never as crashes.
-- :class:`SearchResult` and :class:`BatchSizeReport`, with the table printed at the end.
+- :class:`SearchResult`, what one search found (rendered by
+  :class:`lightning_remat.report.BatchSizeReport`).
 
 Objectives (Optuna multi-objective, both maximised): the batch size and the measured
 samples per second, so ``study.best_trials`` is the Pareto front of feasible trials.
@@ -20,20 +21,22 @@ samples per second, so ``study.best_trials`` is the Pareto front of feasible tri
 
 from __future__ import annotations
 
-import gc
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 from optuna.distributions import BaseDistribution, IntDistribution
 from optuna.samplers import BaseSampler
 from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
+from torch import nn
 
-from lightning_remat.errors import format_bytes
+from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
+from lightning_remat.errors import RematInfeasibleError
 
 PARAM = "batch_size"
 """The one parameter of a batch-size study."""
@@ -174,7 +177,7 @@ class BisectionSampler(BaseSampler):
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
                  fallback: BaseSampler | None = None) -> None:
-        _check_search_args(init_val, max_val, granularity)
+        check_search_args(init_val, max_val, granularity)
         self.init_val = init_val
         self.max_val = max_val
         self.granularity = granularity
@@ -204,7 +207,7 @@ class BisectionSampler(BaseSampler):
         return int(min(max(proposed, param_distribution.low), param_distribution.high))
 
 
-def _check_search_args(init_val: int, max_val: int, granularity: int) -> None:
+def check_search_args(init_val: int, max_val: int, granularity: int) -> None:
     for name, value in (("init_val", init_val), ("max_val", max_val), ("granularity", granularity)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -238,45 +241,15 @@ class SearchResult:
         return None
 
 
-def is_oom(exc: BaseException) -> bool:
-    """An out-of-memory error from any device (CUDA, MPS, the CPU allocator)."""
-    import torch
-
-    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or isinstance(
-        exc, getattr(torch.cuda, "OutOfMemoryError", ())
-    ):
-        return True
-    if isinstance(exc, MemoryError):
-        return True
-    if isinstance(exc, RuntimeError):
-        from pytorch_lightning.utilities.memory import is_oom_error
-
-        text = str(exc)
-        return is_oom_error(exc) or "out of memory" in text.lower()
-    return False
-
-
-def free_device_memory() -> None:
-    """Release what a failed trial left behind so the next trial starts clean."""
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def run_trial_safely(trial_fn: TrialFn, batch_size: int) -> TrialResult:
     """Call ``trial_fn``; an OOM or RematInfeasibleError becomes an infeasible result
     (device memory released), any other exception propagates."""
-    from lightning_remat.errors import RematInfeasibleError
-
     try:
         return trial_fn(batch_size)
     except RematInfeasibleError as exc:
         return TrialResult(False, reason=f"no plan: {exc}")
     except BaseException as exc:
-        if not is_oom(exc):
+        if not is_out_of_memory(exc):
             raise
         reason = f"out of memory: {str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}"
     # Outside the except block: the exception and its traceback's frames (which hold the
@@ -304,7 +277,7 @@ def run_search(
     ``postgresql://...``); None keeps the study in memory. A study of that name already in
     the storage is continued. ``max_trials`` bounds the trials of this call.
     """
-    _check_search_args(init_val, max_val, granularity)
+    check_search_args(init_val, max_val, granularity)
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -413,70 +386,18 @@ def _progress(enabled: bool, label: str) -> Any:
     return tqdm(desc=f"batch size ({label})", unit="trial", leave=False, dynamic_ncols=True)
 
 
-# ---- the report ------------------------------------------------------------------------------
-@dataclass
-class BatchSizeReport:
-    """Plain training's maximum beside rematerialization's, for one model, device, budget."""
-
-    model: str
-    device: str
-    budget_bytes: int | None
-    remat: SearchResult
-    plain: SearchResult | None = None
-
-    @property
-    def batch_size(self) -> int | None:
-        """The largest feasible batch size with rematerialization (what the finder writes)."""
-        return self.remat.largest_feasible
-
-    def table(self) -> str:
-        budget = format_bytes(self.budget_bytes) if self.budget_bytes else "none"
-        lines = [f"lightning-remat batch-size search: {self.model} on {self.device}, budget {budget}", ""]
-        header = (f"{'mode':<8} {'solver':<12} {'largest fits':>12} {'smallest fails':>14} {'trials':>6}"
-                  f" {'peak at max':>12} {'samples/s':>10} {'extra/sample':>13}")
-        lines += [header, "-" * len(header)]
-        searches = [s for s in (self.plain, self.remat) if s is not None]
-        for s in searches:
-            best = s.trial_at(s.largest_feasible)
-            lines.append(
-                f"{s.label:<8} {s.solver or '-':<12} {_cell(s.largest_feasible):>12}"
-                f" {_cell(s.smallest_infeasible):>14} {len(s.trials):>6}"
-                f" {_cell(best and best.peak_bytes, format_bytes):>12}"
-                f" {_cell(best and best.samples_per_second, lambda v: f'{v:.1f}'):>10}"
-                f" {_cell(best and best.extra_seconds_per_sample, _ms):>13}"
-            )
-        if self.plain is not None and self.plain.largest_feasible and self.remat.largest_feasible:
-            lines.append(f"rematerialization fits {self.remat.largest_feasible / self.plain.largest_feasible:.2f}x "
-                         "plain training's largest batch")
-        lines += ["", "trials (in the order run; extra = the plan's predicted recompute/offload time)"]
-        header = (f"{'mode':<8} {'#':>3} {'batch':>6} {'fits':>5} {'peak':>12} {'s/step':>9}"
-                  f" {'samples/s':>10} {'extra/sample':>13}  note")
-        lines += [header, "-" * len(header)]
-        for s in searches:
-            for r in s.trials:
-                lines.append(
-                    f"{s.label:<8} {r.number:>3} {r.batch_size:>6} {'yes' if r.feasible else 'no':>5}"
-                    f" {_cell(r.peak_bytes, format_bytes):>12} {_cell(r.seconds, lambda v: f'{v:.4f}'):>9}"
-                    f" {_cell(r.samples_per_second, lambda v: f'{v:.1f}'):>10}"
-                    f" {_cell(r.extra_seconds_per_sample, _ms):>13}  {r.reason}"
-                )
-        for s in searches:
-            if s.pareto:
-                front = ", ".join(f"({r.batch_size}, {r.samples_per_second:.1f})" for r in s.pareto)
-                lines.append(f"\nPareto front {s.label} (batch size, samples/s): {front}")
-            if not s.finished:
-                lines.append(f"note: {s.label}: max_trials reached before the bracket closed")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
+def default_storage(root_dir: str | Path) -> str:
+    """``sqlite:///<root_dir>/lightning_remat/batch_size.db`` (the folder is created)."""
+    folder = Path(root_dir).resolve() / "lightning_remat"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'batch_size.db'}"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
-
-
-def _cell(value: Any, fmt: Callable[[Any], str] = str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return fmt(value)
+def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | None, solver: str,
+                   sample_shape: str = "") -> str:
+    """``<ModelClass>|<device>|<budget bytes>|<solver>[|<per-sample input shapes>]``: one
+    study per setting, so a resumed search only reuses trials that measured the same thing."""
+    parts = [type(model).__name__, device_name(torch.device(device)), f"{budget_bytes}B", solver]
+    if sample_shape:
+        parts.append(sample_shape)
+    return "|".join(parts)

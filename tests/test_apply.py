@@ -19,10 +19,12 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_remat.graph.trace import build_fx_graph, default_loss, preserved_state, trace_module
-from lightning_remat.runtime.module import RematModule, apply_plan
+from lightning_remat.device import preserved_state
+from lightning_remat.graph.trace import build_fx_graph, default_loss, trace_module
 from lightning_remat.meter import set_mmap_threshold
-from lightning_remat.solvers.plan import Plan, Stage, make_plan
+from lightning_remat.runtime.module import RematModule, apply_plan
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
 from tests.models import ResidualCNN, tiny_lm
 
 TOL = 1e-6
@@ -239,7 +241,7 @@ def test_inplace_ops_right_after_cuts_train_like_plain() -> None:
     assert ids == ["fc1", "bn", "act", "fc2", "mul_", "act2", "fc3"]
     plan = cut_plan(traced.graph, ["act", "mul_", "fc3"], ["recompute", "recompute", "recompute", "keep"])
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
-    assert set(remat_model._remat_current.inplace_rewritten) == {"act", "mul_"}
+    assert set(remat_model.current.stages.inplace_rewritten) == {"act", "mul_"}
     batches = [((torch.randn(5, 6),), {}) for _ in range(3)]
     train_side_by_side(model, remat_model, plain, batches)
 
@@ -492,7 +494,7 @@ def test_stage_boundary_values_are_released() -> None:
     last reader, so the rewrite does not hold what the plan frees."""
     model = ResidualCNN()
     remat_model = rematerialize(model, (torch.randn(2, 3, 8, 8),), plan_fn=lambda g: segments_plan(g, 4))
-    programs = remat_model._remat_current.programs
+    programs = remat_model.current.stages.programs
     crossing = {name for p in programs for name in p.input_names if name != "x"}
     dropped = {name for p in programs for name in p.drop_after}
     assert crossing - {"fc"} <= dropped | {"x"}

@@ -16,7 +16,11 @@ GRAPH = Graph.chain([4, 3, 5, 2, 6, 1, 7], t_fwd=[1, 2, 1, 3, 1, 2, 2])
 
 @pytest.fixture
 def no_offload(monkeypatch):
-    monkeypatch.setattr(auto, "_dynprog", lambda: None)
+    def unavailable(*args, **kwargs):
+        raise ValueError("offloading is not planned in this test")
+
+    monkeypatch.setattr(auto, "solve_dynprog", unavailable)
+    monkeypatch.setattr(auto, "min_budget_solve_dynprog", unavailable)
 
 
 def test_tc_first_when_it_fits(no_offload):
@@ -107,7 +111,7 @@ def test_offloading_is_tried_last(monkeypatch):
         plan.solver = "dynprog"
         return plan
 
-    monkeypatch.setattr(auto, "_dynprog", lambda: fake_dynprog)
+    monkeypatch.setattr(auto, "solve_dynprog", fake_dynprog)
     plan = solve_auto(GRAPH, 1)
     assert calls == [1] and plan.solver == "auto:dynprog" and plan.feasible
 
@@ -127,7 +131,7 @@ def test_no_budget_is_plain_tc(no_offload):
 def test_memory_centric_dp_at_a_looser_budget_is_used_when_its_real_peak_fits(no_offload, monkeypatch):
     """The MC DP's formula has no liveness: where it finds nothing at the budget but its plan
     for a looser budget has a simulated peak within it, auto takes that plan."""
-    from lightning_remat.solvers.plan import plain_plan
+    from lightning_remat.solvers.simulate import plain_plan
 
     plain = plain_plan(GRAPH).predicted_peak_bytes
     loose = solve_approx_mc(GRAPH, plain)  # the scan's 1.0

@@ -15,8 +15,14 @@ from pytorch_lightning.callbacks import BatchSizeFinder
 from pytorch_lightning.tuner import batch_size_scaling
 
 from lightning_remat.callbacks import RematBatchSizeFinder
-from lightning_remat.lightning.batch_size import LightningTrial, find_max_batch_size, resize_batch
 from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.lightning.batch_size import (
+    LightningTrial,
+    SearchSettings,
+    find_max_batch_size,
+    resize_batch,
+)
+from lightning_remat.planner import PlanSettings
 from lightning_remat.tuning import (
     BisectionSampler,
     TrialResult,
@@ -236,6 +242,18 @@ def small_trainer(tmp_path, **kwargs):
                       **kwargs)
 
 
+def _search_settings(trainer, budget_bytes):
+    return SearchSettings(plan=PlanSettings(budget_bytes), budget_bytes=budget_bytes,
+                          device=trainer.strategy.root_device, target=None,
+                          cache_dir=tmp_cache(trainer))
+
+
+def tmp_cache(trainer):
+    from pathlib import Path
+
+    return Path(trainer.default_root_dir) / "lightning_remat"
+
+
 def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -281,7 +299,7 @@ def test_trial_restores_weights_optimizer_state_and_batchnorm_after_an_oom(tmp_p
                 opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
             captured["before"] = _state(pl_module)
             trial = LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=2,
-                                   solver="plain", budget_bytes=2**30)
+                                   solver="plain", settings=_search_settings(trainer, 2**30))
             captured["fits"] = trial(32)
             captured["after_fit"] = _state(pl_module)
             with pytest.raises(torch.cuda.OutOfMemoryError):
@@ -332,7 +350,7 @@ def test_plain_maximum_matches_lightning_binsearch_on_a_cpu_budget(tmp_path):
         lightning_runs.append(size)
         if size not in verdict:
             trial = LightningTrial(trainer, trainer.lightning_module, batch_arg_name="batch_size",
-                                   steps_per_trial=1, solver="plain", budget_bytes=budget)
+                                   steps_per_trial=1, solver="plain", settings=_search_settings(trainer, budget))
             verdict[size] = trial(size).feasible
             trainer.lightning_module.batch_size = size
         if not verdict[size]:

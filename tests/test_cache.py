@@ -2,15 +2,15 @@ import sqlite3
 
 import pytest
 
-from lightning_remat.graph.ir import Graph
 from lightning_remat.cache import CacheKey, PlanCache
-from lightning_remat.solvers.plan import make_plan
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.simulate import make_plan
 
 
 def _setup(tmp_path):
     graph = Graph.chain([100] * 4)
     plan = make_plan(graph, [(graph.ids[:2], "recompute"), (graph.ids[2:], "keep")], "test")
-    key = CacheKey(graph.graph_hash(), ((8, 3, 32, 32),), "float32", "cpu", 1000, "auto")
+    key = CacheKey(graph.graph_hash(), repr(((8, 3, 32, 32), "torch.float32")), "cpu", "1000", "auto")
     return PlanCache(tmp_path / "plans.sqlite"), key, graph, plan
 
 
@@ -20,7 +20,8 @@ def test_hit_after_put_and_miss_on_any_other_key(tmp_path):
     cache.put(key, graph, plan)
     entry = PlanCache(tmp_path / "plans.sqlite").get(key)  # a new process would open anew
     assert entry is not None and entry.plan == plan and entry.graph.to_dict() == graph.to_dict()
-    for changed in (dict(budget_bytes=999), dict(input_shapes=((4, 3, 32, 32),)), dict(solver="x")):
+    for changed in (dict(budget="999"), dict(input_key=repr(((4, 3, 32, 32), "torch.float32"))),
+                    dict(solver="x"), dict(device_name="cuda")):
         other = CacheKey(**{**key.__dict__, **changed})
         assert cache.get(other) is None
 

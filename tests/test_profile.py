@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from lightning_remat.cli import main
+from lightning_remat.device import is_out_of_memory
 from lightning_remat.graph import profile as profile_mod
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.profile import is_out_of_memory, profile_module
+from lightning_remat.graph.profile import profile_module
 from tests import models
 
 F32 = 4

@@ -1,4 +1,4 @@
-"""remat(): trace, profile, solve and apply in one call (issue 4, items 1 and 5).
+"""remat(): trace, profile, solve and apply in one call.
 
 The tests plan with a small solver registered here (contiguous segments, all but the last
 recomputed, the fewest segments that fit), so they hold for any solver that returns a valid
@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import lightning_remat
-import lightning_remat.runtime.module as apply_module
+import lightning_remat.planner as planner_module
 from lightning_remat import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
-from lightning_remat.runtime.module import RematModule, remat
+from lightning_remat.planner import remat
+from lightning_remat.runtime.module import RematModule
 from lightning_remat.solvers import SOLVERS, get_solver, min_budget
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import simulate
@@ -44,7 +45,7 @@ def solve_fewest_segments(graph: Graph, budget_bytes: int | None, **_: Any) -> P
 
 @pytest.fixture(autouse=True)
 def segments_solver(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setitem(SOLVERS, "test-segments", "tests.test_remat:solve_fewest_segments")
+    monkeypatch.setitem(SOLVERS, "test-segments", solve_fewest_segments)
     return "test-segments"
 
 
@@ -64,7 +65,7 @@ def reachable_fraction(module: nn.Module, example: Any, monkeypatch: pytest.Monk
     plain peak, which varies from run to run on CPU; here remat() is made to read the
     simulated one, so the test is deterministic."""
     budget, plain = reachable_bytes(module, example, solver)
-    monkeypatch.setattr(apply_module, "_plain_peak", lambda graph: simulate(graph).peak_bytes)
+    monkeypatch.setattr(planner_module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
     return f"{100 * budget / plain:.4f}%"
 
 
@@ -109,9 +110,9 @@ def test_fractions_are_of_the_profiled_plain_peak() -> None:
     graph = remat(residual_cnn(), torch.randn(2, 3, 8, 8)).graph
     assert "plain_peak_bytes" in graph.meta  # measured by the profiler
     graph.meta["plain_peak_bytes"] = 12345
-    assert apply_module._plain_peak(graph) == 12345
+    assert planner_module.plain_peak_bytes(graph) == 12345
     graph.meta.pop("plain_peak_bytes")  # safe-mode profiles have none (0: too small to see)
-    assert apply_module._plain_peak(graph) == simulate(graph).peak_bytes
+    assert planner_module.plain_peak_bytes(graph) == simulate(graph).peak_bytes
 
 
 def test_no_budget_on_cpu_is_the_plain_plan_with_its_profile() -> None:
@@ -249,15 +250,32 @@ def test_a_new_input_shape_replans_once_and_warns_once() -> None:
     train_side_by_side(model, remat_model, plain, batches)
 
 
-def test_a_new_shape_is_held_to_the_same_budget_in_bytes() -> None:
+def test_a_budget_in_bytes_holds_for_every_new_shape() -> None:
     torch.manual_seed(0)
     model = tiny_lm()
     tokens = torch.randint(0, 50, (2, 8))
-    remat_model = remat(model, tokens, memory_budget=reachable_bytes(model, tokens)[0], solver="test-segments")
-    budget = remat_model._remat_planner.budget_bytes
+    budget = reachable_bytes(model, tokens)[0]
+    remat_model = remat(model, tokens, memory_budget=budget, solver="test-segments")
+    assert remat_model.budget_bytes == budget
     with pytest.warns(UserWarning, match="re-planning"), pytest.raises(RematInfeasibleError):
         remat_model(torch.randint(0, 50, (16, 32)))  # far more memory than the budget allows
-    assert budget is not None and remat_model._remat_planner.budget_bytes == budget
+    assert remat_model.budget_bytes == budget and len(remat_model.variants) == 1
+
+
+def test_a_fraction_is_of_each_shapes_own_plain_peak(monkeypatch) -> None:
+    # One meaning of "60%" for remat() and the strategy: a share of the plain peak of the
+    # input being planned, so a longer sequence gets a proportionally larger budget.
+    torch.manual_seed(0)
+    model = tiny_lm()
+    monkeypatch.setattr(planner_module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
+    remat_model = remat(model, torch.randint(0, 50, (2, 8)), memory_budget="90%", solver="test-segments")
+    short_budget, short_plain = remat_model.budget_bytes, simulate(remat_model.graph).peak_bytes
+    with pytest.warns(UserWarning, match="re-planning"):
+        remat_model(torch.randint(0, 50, (2, 32)))
+    long_budget, long_plain = remat_model.budget_bytes, simulate(remat_model.graph).peak_bytes
+    assert long_plain > short_plain
+    assert short_budget == int(0.9 * short_plain) and long_budget == int(0.9 * long_plain)
+    assert remat_model.plan.predicted_peak_bytes <= long_budget
 
 
 def test_evaluation_with_another_batch_size_does_not_replan() -> None:

@@ -8,8 +8,7 @@ import random
 import pytest
 
 from lightning_remat.graph.ir import Graph, Node
-from lightning_remat.solvers.plan import make_plan
-from lightning_remat.solvers.simulate import simulate
+from lightning_remat.solvers.simulate import make_plan, simulate
 
 
 def phases(timeline, phase):

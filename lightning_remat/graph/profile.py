@@ -28,7 +28,6 @@ the RNG state and existing ``.grad`` tensors are restored afterwards; parameters
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 import warnings
@@ -43,14 +42,19 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_remat.device import (
+    free_device_memory,
+    is_out_of_memory,
+    module_device,
+    preserved_state,
+)
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import (
     Traced,
-    _is_getitem,
-    _ValueRecorder,
+    ValueRecorder,
     as_tuple,
     default_loss,
-    preserved_state,
+    is_getitem,
     trace_module,
 )
 from lightning_remat.meter import (
@@ -61,18 +65,10 @@ from lightning_remat.meter import (
     set_mmap_threshold,
 )
 
-__all__ = ["profile_module", "is_out_of_memory"]
+__all__ = ["profile_module"]
 
 LossFn = Callable[[Any], torch.Tensor]
 _INPUT = "<input>"
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether an exception is the device running out of memory."""
-    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(oom_type, type) and isinstance(exc, oom_type):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -382,7 +378,7 @@ class _Profiler(fx.Interpreter):
         """(vertex id, element) for the getitem vertices under a tuple producer, nested
         tuples (an LSTM's ``(out, (h, c))``) included."""
         for user in n.users:
-            if not _is_getitem(user):
+            if not is_getitem(user):
                 continue
             element = value[user.args[1]]
             if user.name in self.vertex_of:
@@ -452,14 +448,6 @@ def _looks_inplace(n: fx.Node, root: nn.Module) -> bool:
 # ---- the public entry point ------------------------------------------------------------------------
 
 
-def _device_of(module: nn.Module, inputs: Iterable[Any]) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    for t in _tensors(list(inputs)):
-        return t.device
-    return torch.device("cpu")
-
-
 def _dtype_of(module: nn.Module, inputs: Iterable[Any]) -> str:
     candidates = list(module.parameters()) + _tensors(list(inputs))
     for t in candidates:
@@ -484,12 +472,6 @@ def _grads_set_aside(tensors: list[torch.Tensor]) -> Iterator[None]:
 def _clear_grads(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.grad = None
-
-
-def _free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _other_batch(inputs: tuple[Any, ...], kwargs: dict[str, Any], batch: int) -> tuple[tuple[Any, ...], dict[str, Any], int]:
@@ -518,7 +500,7 @@ def _batch_dependence(traced: Traced, module: nn.Module, inputs: tuple[Any, ...]
     if not batch:
         return structural
     small_inputs, small_kwargs, _ = _other_batch(inputs, kwargs, batch)
-    recorder = _ValueRecorder(traced.runner)
+    recorder = ValueRecorder(traced.runner)
     try:
         with preserved_state(module, [device]), torch.no_grad():
             recorder.run(*traced.call_args(small_inputs, small_kwargs))
@@ -563,7 +545,7 @@ def profile_module(
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
-    device = _device_of(module, list(inputs) + list(kwargs.values()))
+    device = module_device(module, list(inputs) + list(kwargs.values()))
     if device.type == "cpu":
         # The CPU meter needs every large buffer in its own mapping from the first
         # allocation on, or freed heap memory is reused unseen (DESIGN.md section 6).
@@ -601,7 +583,7 @@ def profile_module(
         if fallback_reason:
             # The exception (and its frames holding activations) is gone here; free the cache.
             _clear_grads(grad_holders)
-            _free_device_memory(device)
+            free_device_memory(device)
             warnings.warn(f"the training step ran out of memory while profiling "
                           f"({fallback_reason}); profiling again in memory-safe mode",
                           UserWarning, stacklevel=2)

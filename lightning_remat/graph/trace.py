@@ -31,7 +31,6 @@ class and both reasons.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 import warnings
@@ -44,10 +43,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError
 from lightning_remat.graph.ir import Graph, Node
 
-__all__ = ["Traced", "trace_module", "default_loss", "as_tuple"]
+__all__ = ["Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "trace_module"]
 
 
 @dataclass
@@ -130,24 +130,6 @@ def default_loss(outputs: Any) -> torch.Tensor:
 # ---- running a module without leaving a trace ----------------------------------------------
 
 
-@contextlib.contextmanager
-def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Restore buffers (BatchNorm running statistics), training flags and the RNG state on
-    exit, so that measuring runs do not change what training would do next."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    modes = [(m, m.training) for m in module.modules()]
-    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda_devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buf, saved in buffers:
-                    buf.copy_(saved)
-            for m, mode in modes:
-                m.training = mode
-
-
 def _devices_of(module: nn.Module, inputs: Sequence[Any]) -> list[torch.device]:
     devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
     devices |= {t.device for t in pytree.tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)}
@@ -191,7 +173,7 @@ def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[t
     return out_a, out_b
 
 
-class _ValueRecorder(fx.Interpreter):
+class ValueRecorder(fx.Interpreter):
     """Records what each node's value is: a tensor, a structure holding tensors, or other."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
@@ -225,7 +207,7 @@ def _op_name(gm: fx.GraphModule, n: fx.Node) -> str:
     return getattr(n.target, "__name__", str(n.target))
 
 
-def _is_getitem(n: fx.Node) -> bool:
+def is_getitem(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is operator.getitem
 
 
@@ -248,7 +230,7 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
             vertex.add(n.name)
         elif k == "tensors":
             users = list(n.users)
-            if not users or not all(_is_getitem(u) for u in users):
+            if not users or not all(is_getitem(u) for u in users):
                 vertex.add(n.name)
     # A tuple producer is charged to the first vertex among its getitem descendants.
     charge: dict[str, str] = {v: v for v in vertex}
@@ -353,8 +335,15 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
+_SCALARS = (bool, int, float, str, type(None))
+"""Argument values fx specialises (``concrete_args``) rather than tracing as proxies."""
+
+
 def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
-    """Forward's parameter names, their defaults, and concrete_args for those not given."""
+    """Forward's parameter names, their defaults, and concrete_args: the arguments left at
+    their defaults and the non-tensor scalars given (a flag, a mode string), so that
+    ``if mask is not None`` and ``if flag:`` trace. A new value of such an argument is a new
+    input for the planner, which traces again rather than run a graph traced for another."""
     sig = inspect.signature(module.forward)
     names: list[str] = []
     defaults: dict[str, Any] = {}
@@ -364,12 +353,12 @@ def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
         names.append(p.name)
         if p.default is not inspect.Parameter.empty:
             defaults[p.name] = p.default
-    given = set(names[: len(inputs)]) | set(kwargs)
     unknown = sorted(set(kwargs) - set(names))
     if unknown or len(inputs) > len(names):
         raise TraceError(f"{type(module).__name__}.forward does not take inputs {unknown or inputs}")
-    # Arguments left at their defaults are specialised, so `if mask is not None` traces.
+    given = dict(zip(names, inputs)) | kwargs
     concrete = {name: defaults[name] for name in names if name not in given and name in defaults}
+    concrete.update({name: value for name, value in given.items() if isinstance(value, _SCALARS)})
     return names, defaults, concrete
 
 
@@ -378,7 +367,7 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     gm = fx.symbolic_trace(module, concrete_args=concrete or None)
     traced = Traced(gm=gm, graph=Graph([], []), kind="fx", _signature_names=names, _defaults=defaults)
     args = traced.call_args(inputs, kwargs)
-    recorder = _ValueRecorder(gm)
+    recorder = ValueRecorder(gm)
     expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs), lambda: recorder.run(*args), devices)
     if not _same(expected, got):
         raise RuntimeError(

@@ -4,7 +4,7 @@ Lightning's ``BatchSizeFinder`` doubles the batch until an OOM and bisects; it c
 that another rematerialization plan would make a bigger batch fit. This callback runs the
 same kind of search (an Optuna study, see :mod:`lightning_remat.tuning`) where a trial at
 batch size ``b`` is what ``Trainer(strategy=RematStrategy(...))`` would do at ``b``: trace,
-profile, solve for the budget and apply the plan (:class:`~lightning_remat.planner.ShapePlanner`),
+profile, solve for the budget and apply the plan (:class:`~lightning_remat.planner.Planner`),
 then run ``steps_per_trial`` real training steps and measure their peak
 (:func:`~lightning_remat.meter.peak_bytes`). A trial is feasible when a plan
 exists, nothing runs out of memory and the measured peak is within the budget. The same
@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,30 +43,39 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_remat.budget import parse_budget
+from lightning_remat.cache import PlanCache
+from lightning_remat.device import default_budget, preserved_training_state
+from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
-from lightning_remat.runtime.state import preserved_training_state
-from lightning_remat.tuning import BatchSizeReport, SearchResult, TrialFn, TrialResult, run_search
+from lightning_remat.planner import Planned, Planner, PlanSettings
+from lightning_remat.report import BatchSizeReport
+from lightning_remat.solvers import SOLVERS
+from lightning_remat.tuning import (
+    SearchResult,
+    TrialFn,
+    TrialResult,
+    check_search_args,
+    default_storage,
+    run_search,
+    study_name_for,
+)
 
 PLAIN = "plain"
 
 
-def default_storage(root_dir: str | Path) -> str:
-    """``sqlite:///<root_dir>/lightning_remat/batch_size.db`` (the folder is created)."""
-    folder = Path(root_dir).resolve() / "lightning_remat"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'batch_size.db'}"
+@dataclass(frozen=True)
+class SearchSettings:
+    """What a batch-size search measures against."""
 
-
-def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | None, solver: str,
-                   sample_shape: str = "") -> str:
-    """``<ModelClass>|<device>|<budget bytes>|<solver>[|<per-sample input shapes>]``: one
-    study per setting, so a resumed search only reuses trials that measured the same thing."""
-    from lightning_remat.planner import device_name
-
-    parts = [type(model).__name__, device_name(torch.device(device)), f"{budget_bytes}B", solver]
-    if sample_shape:
-        parts.append(sample_shape)
-    return "|".join(parts)
+    plan: PlanSettings
+    """How each trial plans (its budget as the strategy wrote it, or bytes)."""
+    budget_bytes: int
+    """The budget a trial's measured peak must meet."""
+    device: torch.device
+    target: str | None
+    """The submodule planned (None: the LightningModule's forward)."""
+    cache_dir: Path
+    """Where the trials' plans are cached (the strategy's cache, so training reuses them)."""
 
 
 class _Captured(Exception):
@@ -152,8 +163,9 @@ def _sample_shape(batch: Any) -> str:
 class LightningTrial:
     """One trial of the search on a fitting Trainer: ``trial(batch_size) -> TrialResult``.
 
-    With ``solver="plain"`` the model's own forward runs; otherwise a ShapePlanner for
-    ``solver`` and ``budget_bytes`` plans the target (profiling happens outside the
+    With ``solver="plain"`` the model's own forward runs; otherwise a
+    :class:`~lightning_remat.planner.Planner` for ``solver`` and the search's budget plans
+    the target (profiling happens outside the
     measurement) and the steps run the planned module. After one unmeasured warm-up step,
     each of ``steps_per_trial`` steps is forward + backward inside the meter, then the
     optimizer step; the state is restored afterwards.
@@ -161,21 +173,15 @@ class LightningTrial:
 
     def __init__(
         self, trainer: pl.Trainer, model: pl.LightningModule, *, batch_arg_name: str,
-        steps_per_trial: int, solver: str, budget_bytes: int | None, planner_budget: int | str | None = None,
-        target: str | None = None,
-        profile_repeats: int = 3, safe_profile: bool = False, cache_dir: str | Path | None = None,
-        solver_options: dict[str, Any] | None = None,
+        steps_per_trial: int, solver: str, settings: SearchSettings,
     ) -> None:
         self.trainer, self.model = trainer, model
         self.batch_arg_name = batch_arg_name
         self.steps_per_trial = steps_per_trial
         self.solver = solver
-        self.budget_bytes = budget_bytes
-        self.planner_budget = planner_budget if planner_budget is not None else budget_bytes
-        self.target = model.get_submodule(target) if target else model
-        self.profile_repeats, self.safe_profile = profile_repeats, safe_profile
-        self.cache_dir = Path(cache_dir) if cache_dir else Path(trainer.default_root_dir) / "lightning_remat"
-        self.solver_options = dict(solver_options or {})
+        self.settings = settings
+        self.budget_bytes = settings.budget_bytes
+        self.target = model.get_submodule(settings.target) if settings.target else model
         self.device = trainer.strategy.root_device
 
     def batch(self, batch_size: int) -> Any:
@@ -219,7 +225,7 @@ class LightningTrial:
     def __call__(self, batch_size: int) -> TrialResult:
         model = self.model
         optimizers = list(self.trainer.optimizers)
-        planned = None
+        planned: Planned | None = None
         with (
             preserved_training_state(model), _optimizers_preserved(optimizers), _logging_muted(model),
             _forward_replaced(self.target, None),
@@ -228,15 +234,10 @@ class LightningTrial:
             batch = self.batch(batch_size)
             forward = None
             if self.solver != PLAIN:
-                from lightning_remat.cache import PlanCache
-                from lightning_remat.planner import ShapePlanner
-
                 args, kwargs = self._capture_call(batch)
-                planner = ShapePlanner(
-                    self.target, self.planner_budget, self.solver,
-                    cache=PlanCache(self.cache_dir / "plans.sqlite"),
-                    profile_repeats=self.profile_repeats, safe_profile=self.safe_profile,
-                    solver_options=self.solver_options,
+                planner = Planner(
+                    self.target, dataclasses.replace(self.settings.plan, solver=self.solver),
+                    cache=PlanCache(self.settings.cache_dir / "plans.sqlite"),
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
@@ -323,10 +324,7 @@ class RematBatchSizeFinder(Callback):
         study_name: str | None = None,
         progress_bar: bool = True,
     ) -> None:
-        from lightning_remat.solvers import SOLVERS
-        from lightning_remat.tuning import _check_search_args
-
-        _check_search_args(init_val, max_val, granularity)
+        check_search_args(init_val, max_val, granularity)
         if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
             raise ValueError(f"steps_per_trial={steps_per_trial!r} must be an int >= 1")
         if solver is not None and solver not in SOLVERS:
@@ -365,29 +363,20 @@ class RematBatchSizeFinder(Callback):
         self.scale_batch_size(trainer, pl_module)
 
     # ---- the search -----------------------------------------------------------------------
-    def _settings(self, trainer: pl.Trainer) -> dict[str, Any]:
-        from lightning_remat.lightning.strategy import _RematLogic
-
+    def _settings(self, trainer: pl.Trainer) -> SearchSettings:
+        """The search's settings: this callback's arguments, else the RematStrategy's."""
         strategy = trainer.strategy
-        settings: dict[str, Any] = {"target": None, "profile_repeats": 3, "safe_profile": False,
-                                    "cache_dir": None, "solver_options": {}}
+        remat_strategy = strategy if isinstance(strategy, RematHooks) else None
         budget = self.memory_budget
-        solver = self.solver
-        if isinstance(strategy, _RematLogic):
-            budget = budget if budget is not None else strategy.memory_budget
-            solver = solver or strategy.solver
-            settings.update(target=strategy.target, profile_repeats=strategy.profile_steps,
-                            safe_profile=strategy.safe_profile, cache_dir=strategy.cache_dir)
-            if (solver == "auto") and strategy.solver == "auto":
-                settings["solver_options"] = strategy._solver_options()
-        solver = solver or "auto"
+        plan = PlanSettings(solver=self.solver or "auto")
+        if remat_strategy is not None:
+            if budget is None:
+                budget = remat_strategy.memory_budget
+            plan = dataclasses.replace(remat_strategy.remat_settings, solver=self.solver or remat_strategy.solver)
         device = strategy.root_device
-        if solver == "auto" and not settings["solver_options"]:
-            # Offloading to host memory only saves device memory when there is a device.
-            settings["solver_options"] = {"allow_offload": device.type == "cuda"}
         budget_bytes = _absolute_budget(budget)
         if budget_bytes is None:
-            budget_bytes = _default_budget(device)
+            budget_bytes = default_budget(device)
         if budget_bytes is None:
             raise MisconfigurationException(
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
@@ -395,14 +384,18 @@ class RematBatchSizeFinder(Callback):
             )
         # The planner gets the budget as written (so its plan-cache key matches the
         # strategy's and training at the found size reuses the trial's plan), or bytes.
-        planner_budget = budget if budget is not None else budget_bytes
-        settings.update(solver=solver, budget_bytes=budget_bytes, device=device, planner_budget=planner_budget)
-        return settings
+        plan = dataclasses.replace(plan, memory_budget=budget if budget is not None else budget_bytes)
+        cache_dir = remat_strategy.cache_dir if remat_strategy is not None else None
+        return SearchSettings(
+            plan=plan, budget_bytes=budget_bytes, device=device,
+            target=remat_strategy.target if remat_strategy is not None else None,
+            cache_dir=Path(cache_dir or Path(trainer.default_root_dir) / "lightning_remat"),
+        )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
-                solver: str, label: str, settings: dict[str, Any], init_val: int, sample_shape: str) -> SearchResult:
+                solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str) -> SearchResult:
         storage = self.storage or default_storage(trainer.default_root_dir)
-        name = study_name_for(pl_module, settings["device"], settings["budget_bytes"], solver, sample_shape)
+        name = study_name_for(pl_module, settings.device, settings.budget_bytes, solver, sample_shape)
         if self.study_name:
             name = f"{self.study_name}|{name}"
         return run_search(
@@ -412,15 +405,11 @@ class RematBatchSizeFinder(Callback):
         )
 
     def make_trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, solver: str,
-                   settings: dict[str, Any]) -> TrialFn:
+                   settings: SearchSettings) -> TrialFn:
         """The trial function for one solver (override to measure differently)."""
         return LightningTrial(
-            trainer, pl_module, batch_arg_name=self.batch_arg_name, steps_per_trial=self.steps_per_trial,
-            solver=solver, budget_bytes=settings["budget_bytes"], planner_budget=settings["planner_budget"],
-            target=settings["target"],
-            profile_repeats=settings["profile_repeats"], safe_profile=settings["safe_profile"],
-            cache_dir=settings["cache_dir"],
-            solver_options=settings["solver_options"] if solver != PLAIN else {},
+            trainer, pl_module, batch_arg_name=self.batch_arg_name,
+            steps_per_trial=self.steps_per_trial, solver=solver, settings=settings,
         )
 
     def scale_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> BatchSizeReport:
@@ -441,15 +430,15 @@ class RematBatchSizeFinder(Callback):
                 sample_shape = _sample_shape(next(iter(loader)))
             plain = None
             init_val = self.init_val
-            if self.compare_plain and settings["solver"] != PLAIN:
+            if self.compare_plain and settings.plan.solver != PLAIN:
                 plain = self._search(trainer, pl_module, self.make_trial(trainer, pl_module, PLAIN, settings),
                                      PLAIN, "plain", settings, self.init_val, sample_shape)
                 # Remat fits at least what plain training fits (same budget): start there.
                 if plain.largest_feasible and plain.largest_feasible <= self.max_val:
                     init_val = plain.largest_feasible
             remat = self._search(trainer, pl_module,
-                                 self.make_trial(trainer, pl_module, settings["solver"], settings),
-                                 settings["solver"], "remat" if settings["solver"] != PLAIN else PLAIN,
+                                 self.make_trial(trainer, pl_module, settings.plan.solver, settings),
+                                 settings.plan.solver, "remat" if settings.plan.solver != PLAIN else PLAIN,
                                  settings, init_val, sample_shape)
         finally:
             gc.unfreeze()
@@ -457,8 +446,8 @@ class RematBatchSizeFinder(Callback):
                 bar.enable()
             lightning_setattr(pl_module, self.batch_arg_name, original)
         self.report = BatchSizeReport(
-            model=type(pl_module).__name__, device=str(settings["device"]),
-            budget_bytes=settings["budget_bytes"], remat=remat, plain=plain,
+            model=type(pl_module).__name__, device=str(settings.device),
+            budget_bytes=settings.budget_bytes, remat=remat, plain=plain,
         )
         self.optimal_batch_size = remat.largest_feasible
         if remat.largest_feasible is None:
@@ -473,14 +462,6 @@ class RematBatchSizeFinder(Callback):
         if self._early_exit:
             raise _TunerExitException()
         return self.report
-
-
-def _default_budget(device: torch.device, margin: float = 0.1) -> int | None:
-    """Free device memory now, less a safety margin (CUDA); None on CPU (no limit)."""
-    if device.type != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free * (1 - margin))
 
 
 def _absolute_budget(budget: int | float | str | None) -> int | None:
@@ -514,58 +495,3 @@ def find_max_batch_size(
     if finder.report is None:
         raise RuntimeError("the batch-size search did not run (is fast_dev_run set, or did fit fail?)")
     return finder.report
-
-
-class SyntheticTask(pl.LightningModule):
-    """A LightningModule around any ``nn.Module`` on random inputs, for measuring memory
-    (``lightning-remat tune``): the loss is the mean square of every floating output, so
-    the backward runs through the whole model whatever its head."""
-
-    def __init__(self, model: nn.Module, sample_shape: tuple[int, ...], batch_size: int = 2,
-                 dtype: str = "float", vocab: int = 1000, samples: int = 1 << 16) -> None:
-        super().__init__()
-        self.model = model
-        self.sample_shape = tuple(sample_shape)
-        self.batch_size = batch_size
-        self.dtype_name = dtype
-        self.vocab = vocab
-        self.samples = samples
-
-    def forward(self, x: torch.Tensor) -> Any:
-        return self.model(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        outputs: list[torch.Tensor] = []
-
-        def visit(value: Any) -> None:
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                outputs.append(value)
-            elif isinstance(value, Mapping):
-                for v in value.values():
-                    visit(v)
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    visit(v)
-
-        visit(self(batch))
-        if not outputs:
-            raise ValueError("the model returned no floating-point tensor to take a loss from")
-        return sum(o.float().pow(2).mean() for o in outputs)  # type: ignore[return-value]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        shape, vocab, is_long = self.sample_shape, self.vocab, self.dtype_name == "long"
-
-        class Random(torch.utils.data.Dataset):
-            def __len__(self) -> int:
-                return 1 << 16
-
-            def __getitem__(self, index: int) -> torch.Tensor:
-                g = torch.Generator().manual_seed(index)
-                if is_long:
-                    return torch.randint(0, vocab, shape, generator=g)
-                return torch.randn(*shape, generator=g)
-
-        return torch.utils.data.DataLoader(Random(), batch_size=self.batch_size)

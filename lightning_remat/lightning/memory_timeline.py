@@ -1,5 +1,5 @@
 """TensorBoard dashboards: per-step memory scalars and a step's timeline, measured beside
-predicted (issue 8).
+predicted (docs/design.md section 7).
 
 Tags written (all under ``remat/``):
 
@@ -17,71 +17,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 
-from lightning_remat.errors import format_bytes
-from lightning_remat import meter as memory
+from lightning_remat import meter
+from lightning_remat.report import TAG, format_plan, timeline_figure
 
-try:
-    import pytorch_lightning as pl
-except ImportError:  # pragma: no cover - pytorch-lightning is a dependency
-    pl = None  # type: ignore[assignment]
-
-TAG = "remat"
+__all__ = ["MemoryTimelineLogger"]
 
 
-def plan_markdown(entry: Any) -> str:
-    """The plan as a markdown table: stages, actions, bytes stored, predicted extra time."""
-    graph, plan = entry.graph, entry.plan
-    stored = set(plan.stored)
-    rows = [
-        f"**solver** {plan.solver} · **predicted peak** {format_bytes(plan.predicted_peak_bytes)} · "
-        f"**budget** {format_bytes(entry.budget_bytes) if entry.budget_bytes else 'none'} · "
-        f"**predicted extra** {plan.predicted_extra_seconds * 1e3:.2f} ms",
-        "",
-        "| stage | action | vertices | first .. last | bytes stored | forward ms re-run |",
-        "|---:|:---|---:|:---|---:|---:|",
-    ]
-    for k, stage in enumerate(plan.stages):
-        kept = graph.total("mem", [n for n in stage.nodes if n in stored])
-        extra = graph.total("t_fwd", stage.nodes) * 1e3 if stage.action == "recompute" else 0.0
-        rows.append(
-            f"| {k} | {stage.action} | {len(stage.nodes)} | `{stage.nodes[0]}` .. `{stage.nodes[-1]}` "
-            f"| {format_bytes(kept)} | {extra:.2f} |"
-        )
-    return "\n".join(rows)
-
-
-def timeline_figure(measured: list[int], predicted: Any, budget: int | None, title: str):
-    """Measured and predicted live bytes per op, forward and backward shaded, stage
-    boundaries drawn, the budget as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    mib = 2**20
-    events = predicted.events
-    ax.plot(range(len(events)), [e.live_bytes / mib for e in events], label="predicted", color="tab:orange")
-    if measured:
-        ax.plot(range(len(measured)), [m / mib for m in measured], label="measured", color="tab:blue")
-    if budget:
-        ax.axhline(budget / mib, color="tab:red", linestyle="--", label="budget")
-    n_forward = sum(1 for e in events if e.phase == "forward")
-    ax.axvspan(0, n_forward, color="0.92", zorder=0, label="forward")
-    for i in range(1, len(events)):
-        if events[i].stage != events[i - 1].stage:
-            ax.axvline(i, color="0.6", linewidth=0.6, zorder=1)
-    ax.set_xlabel("op index (forward, then backward)")
-    ax.set_ylabel("live MiB above the step's start")
-    ax.set_title(title)
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    return fig
-
-
-class MemoryTimelineLogger(pl.Callback if pl is not None else object):  # type: ignore[misc]
+class MemoryTimelineLogger(pl.Callback):
     """Logs each training step's memory and the timeline of every new plan to TensorBoard.
 
     Works with ``RematStrategy`` (plans and predictions come from it) and alone with any
@@ -120,25 +65,25 @@ class MemoryTimelineLogger(pl.Callback if pl is not None else object):  # type: 
     # ---- hooks --------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         device = pl_module.device
-        if memory.is_cuda(device):
+        if meter.is_cuda(device):
             torch.cuda.synchronize(device)
             self._base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            memory.set_mmap_threshold()
-            memory.trim_heap()  # heap memory freed before would be reused unseen
-            memory.reset_high_water_mark()
-            self._base = memory.resident_bytes()
+            meter.set_mmap_threshold()
+            meter.trim_heap()  # heap memory freed before would be reused unseen
+            meter.reset_high_water_mark()
+            self._base = meter.resident_bytes()
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         device = pl_module.device
-        if memory.is_cuda(device):
+        if meter.is_cuda(device):
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - self._base
             reserved = torch.cuda.memory_reserved(device)
         else:
-            peak = memory.high_water_mark() - self._base
+            peak = meter.high_water_mark() - self._base
             reserved = None
         seconds = time.perf_counter() - self._t0
         writer = self._writer(trainer)
@@ -179,8 +124,15 @@ class MemoryTimelineLogger(pl.Callback if pl is not None else object):  # type: 
             for i in (0, max(len(predicted.events) - 1, 0)):
                 writer.add_scalar(f"{TAG}/timeline/budget", entry.budget_bytes, i)
         title = f"{entry.plan.solver}: step {step}, {len(entry.plan.stages)} stages"
-        writer.add_figure(f"{TAG}/timeline", timeline_figure(measured, predicted, entry.budget_bytes, title), step)
-        writer.add_text(f"{TAG}/plan", plan_markdown(entry), step)
+        events = predicted.events
+        figure = timeline_figure(
+            measured, [e.live_bytes for e in events], entry.budget_bytes, title,
+            n_forward=sum(1 for e in events if e.phase == "forward"),
+            stage_starts=[i for i in range(1, len(events)) if events[i].stage != events[i - 1].stage],
+        )
+        writer.add_figure(f"{TAG}/timeline", figure, step)
+        writer.add_text(f"{TAG}/plan", format_plan(entry.graph, entry.plan, budget_bytes=entry.budget_bytes,
+                                                   markdown=True), step)
         measured_peak = max(measured) if measured else -1
         writer.add_hparams(
             {"batch_size": int(entry.graph.meta.get("batch_size") or 0),

@@ -1,11 +1,12 @@
-"""Offloading saved activations to host memory during training (DESIGN.md section 5).
+"""Offloading saved activations to host memory during training (docs/design.md section 5).
 
 :class:`OffloadHooks` is a context manager built on
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves for the backward
 inside the ``with`` block (parameters and tensors below ``min_bytes`` excepted) is copied to
 host memory, and brought back for the backward in the plan's order, ahead of need.
 
-On CUDA (the executor of Beaumont et al.'s schedules, papers/beaumont-offloading.txt):
+On CUDA (the executor of the schedules of Beaumont, Eyraud-Dubois and Shilova, "Optimal
+GPU-CPU Offloading Strategies for Deep Neural Network Training", Euro-Par 2020):
 
 - the offload is a ``non_blocking`` copy into pinned host memory on a side stream that waits
   (by an event, no device-wide synchronisation) for the kernel that produced the tensor;

@@ -7,52 +7,64 @@ of ``None`` means no limit. A solver that cannot meet the budget returns its bes
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.plan import Plan, Stage, make_plan, plain_plan
+from lightning_remat.solvers import auto, beaumont, chen, feng, hong, kusumoto
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan, plain_plan, simulate, solve_plain
 
 __all__ = [
-    "SOLVERS", "Plan", "Stage", "fits", "get_solver", "make_plan", "min_budget", "plain_plan", "solve",
+    "SOLVERS", "Plan", "Stage", "fits", "get_solver", "make_plan", "min_budget", "plain_plan",
+    "simulate", "solve",
 ]
 
-# name -> "module:function"; imported on first use so one broken solver cannot break the rest.
-SOLVERS: dict[str, str] = {
-    "plain": "lightning_remat.solvers.plan:_solve_plain",
-    "chen": "lightning_remat.solvers.chen:solve_chen_sqrt",
-    "chen-greedy": "lightning_remat.solvers.chen:solve_chen_greedy",
-    "feng": "lightning_remat.solvers.feng:solve_feng",
-    "hong-cubic": "lightning_remat.solvers.hong:solve_hong_cubic",
-    "hong-linear": "lightning_remat.solvers.hong:solve_hong_linear",
-    "kusumoto-tc": "lightning_remat.solvers.kusumoto:solve_approx_tc",
-    "kusumoto-mc": "lightning_remat.solvers.kusumoto:solve_approx_mc",
-    "kusumoto-exact-tc": "lightning_remat.solvers.kusumoto:solve_exact_tc",
-    "kusumoto-exact-mc": "lightning_remat.solvers.kusumoto:solve_exact_mc",
-    "lower-bound": "lightning_remat.solvers.beaumont:solve_lower_bound",
-    "greedy": "lightning_remat.solvers.beaumont:solve_greedy",
-    "dynprog": "lightning_remat.solvers.beaumont:solve_dynprog",
-    "vdnn": "lightning_remat.solvers.beaumont:solve_vdnn",
-    "auto": "lightning_remat.solvers.auto:solve_auto",
-}
-
 SolverFn = Callable[..., Plan]
+
+SOLVERS: dict[str, SolverFn] = {
+    "plain": solve_plain,
+    "chen": chen.solve_chen_sqrt,
+    "chen-greedy": chen.solve_chen_greedy,
+    "feng": feng.solve_feng,
+    "hong-cubic": hong.solve_hong_cubic,
+    "hong-linear": hong.solve_hong_linear,
+    "kusumoto-tc": kusumoto.solve_approx_tc,
+    "kusumoto-mc": kusumoto.solve_approx_mc,
+    "kusumoto-exact-tc": kusumoto.solve_exact_tc,
+    "kusumoto-exact-mc": kusumoto.solve_exact_mc,
+    "lower-bound": beaumont.solve_lower_bound,
+    "greedy": beaumont.solve_greedy,
+    "dynprog": beaumont.solve_dynprog,
+    "vdnn": beaumont.solve_vdnn,
+    "auto": auto.solve_auto,
+}
+"""Every solver by the name users give it."""
+
+# A solver's own smallest budget, where its paper gives one cheaper than a binary search.
+_OWN_MIN_BUDGET: dict[str, Callable[..., int]] = {
+    "feng": feng.min_budget_solve_feng,
+    "hong-cubic": hong.min_budget_solve_hong_cubic,
+    "hong-linear": hong.min_budget_solve_hong_linear,
+    "kusumoto-tc": kusumoto.min_budget_solve_approx_tc,
+    "kusumoto-mc": kusumoto.min_budget_solve_approx_mc,
+    "kusumoto-exact-tc": kusumoto.min_budget_solve_exact_tc,
+    "kusumoto-exact-mc": kusumoto.min_budget_solve_exact_mc,
+    "lower-bound": beaumont.min_budget_solve_lower_bound,
+    "greedy": beaumont.min_budget_solve_greedy,
+    "dynprog": beaumont.min_budget_solve_dynprog,
+    "vdnn": beaumont.min_budget_solve_vdnn,
+    "auto": auto.min_budget_solve_auto,
+}
 
 
 def get_solver(name: str) -> SolverFn:
     """The solver function registered under ``name``."""
     try:
-        target = SOLVERS[name]
+        return SOLVERS[name]
     except KeyError:
         raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}") from None
-    module_name, function_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-        return getattr(module, function_name)
-    except (ImportError, AttributeError) as exc:
-        raise NotImplementedError(f"solver {name!r} is not available: {exc}") from exc
 
 
 def fits(plan: Plan, budget_bytes: int | None) -> bool:
@@ -75,11 +87,11 @@ def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **option
 
 def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
     """The smallest budget for which ``solver`` returns a plan that :func:`fits`, by binary
-    search over bytes (feasibility is monotone in the budget for the solvers here). A solver
-    module may define ``min_budget_<function>(graph, **options)``: its answer is taken when
-    the plan there fits, and is otherwise a lower bound for the search."""
+    search over bytes (feasibility is monotone in the budget for the solvers here). Where a
+    solver has its own smallest budget, its answer is taken when the plan there fits, and is
+    otherwise a lower bound for the search."""
     fn = get_solver(solver)
-    own = getattr(importlib.import_module(fn.__module__), f"min_budget_{fn.__name__}", None)
+    own = _OWN_MIN_BUDGET.get(solver)
     lo = 0  # infeasible (no step fits in zero bytes unless the graph is empty)
     if own is not None:
         claimed = int(own(graph, **options))

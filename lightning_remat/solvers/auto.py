@@ -9,8 +9,8 @@
    recomputation solvers (Feng & Huang's re-forwarding, Hong et al.'s Algorithm 6, Chen's
    budgeted greedy), whose plans use less memory than the DP's liveness-free formula lets it
    find; the fitting one with the least extra time is taken;
-4. if still nothing fits: ``lightning_remat.solvers.beaumont.solve_dynprog`` (Beaumont et al.)
-   when that module exists (imported lazily; without it the step is skipped with a note);
+4. if still nothing fits: Beaumont et al.'s DynProg offloading
+   (:func:`lightning_remat.solvers.beaumont.solve_dynprog`), where offloading is allowed;
 5. otherwise the best infeasible plan (the least predicted peak among those tried).
 
 "Fits" means the simulator's predicted peak (``plan.predicted_peak_bytes``, which models
@@ -23,17 +23,18 @@ why earlier steps failed.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers import chen, feng, hong
+from lightning_remat.solvers.beaumont import min_budget_solve_dynprog, solve_dynprog
 from lightning_remat.solvers.kusumoto import (
     min_budget_solve_approx_tc,
     solve_approx_mc,
     solve_approx_tc,
 )
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.simulate import plain_plan
 
 __all__ = ["min_budget_solve_auto", "solve_auto"]
 
@@ -42,15 +43,6 @@ _KUSUMOTO_OPTIONS = ("max_lower_sets", "time_steps")
 
 def _kusumoto_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in _KUSUMOTO_OPTIONS}
-
-
-def _dynprog() -> Callable[..., Plan] | None:
-    """The offloading solver, when the module another helper writes is present."""
-    try:
-        module = importlib.import_module("lightning_remat.solvers.beaumont")
-    except ImportError:
-        return None
-    return getattr(module, "solve_dynprog", None)
 
 
 def _fits(plan: Plan, budget: int) -> bool:
@@ -113,17 +105,14 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
         return _label(best, name, notes, True)
     notes.append(f"{', '.join(_MEMORY_OPTIMAL)} failed: their least-memory plans exceed the budget")
 
-    dynprog = _dynprog() if options.get("allow_offload", True) else None
     if not options.get("allow_offload", True):
         notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
-    elif dynprog is None:
-        notes.append("dynprog skipped: lightning_remat.solvers.beaumont.solve_dynprog is not available")
     else:
         try:
             # Beaumont et al. on the stage chain of the memory-centric plan (DESIGN.md 4.6).
             offload_options = {"stages": [st.nodes for st in mc.stages],
                                **dict(options.get("offload_options", {}))}
-            offloaded = dynprog(graph, budget, **offload_options)
+            offloaded = solve_dynprog(graph, budget, **offload_options)
         except ValueError as exc:  # e.g. no measured bandwidth in the graph
             notes.append(f"dynprog skipped: {exc}")
         else:
@@ -147,17 +136,14 @@ _MC_SCAN = (0.25, 0.35, 0.5, 0.75, 1.0, 1.5)
 
 def _scanned_mc(graph: Graph, kusumoto_options: dict[str, Any]) -> list[tuple[int, Plan]]:
     """(budget given, plan) of the memory-centric DP at the ``_MC_SCAN`` budgets."""
-    from lightning_remat.solvers.plan import plain_plan
-
     plain = plain_plan(graph).predicted_peak_bytes
     given = [int(plain * fraction) for fraction in _MC_SCAN]
     return [(b, solve_approx_mc(graph, b, **kusumoto_options)) for b in given]
 
 
 def _memory_optimal_plans(graph: Graph, budget: int) -> list[Plan]:
-    from lightning_remat.solvers import get_solver
-
-    return [get_solver(name)(graph, budget) for name in _MEMORY_OPTIMAL]
+    return [feng.solve_feng(graph, budget), hong.solve_hong_linear(graph, budget),
+            chen.solve_chen_greedy(graph, budget)]
 
 
 def _calibrated_tc(graph: Graph, budget: int, kusumoto_options: dict[str, Any],
@@ -214,11 +200,9 @@ def min_budget_solve_auto(graph: Graph, **options: Any) -> int:
     candidates = {solve_approx_tc(graph, least_dp, **kusumoto_options).predicted_peak_bytes}
     candidates.update(p.predicted_peak_bytes for p in _memory_optimal_plans(graph, least_dp))
     candidates.update(p.predicted_peak_bytes for _, p in _scanned_mc(graph, kusumoto_options) if p.feasible)
-    if _dynprog() is not None:
-        from lightning_remat.solvers import min_budget
-
+    if options.get("allow_offload", True):
         try:
-            candidates.add(min_budget(graph, "dynprog", **dict(options.get("offload_options", {}))))
+            candidates.add(min_budget_solve_dynprog(graph, **dict(options.get("offload_options", {}))))
         except ValueError:
             pass  # offloading cannot be planned without a bandwidth
     for candidate in sorted(c for c in candidates if c < memory_centric):

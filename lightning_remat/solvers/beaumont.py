@@ -32,9 +32,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lightning_remat.errors import format_bytes
+from lightning_remat.budget import format_bytes
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.plan import Plan, Stage, make_plan
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
 
 __all__ = [
     "Chain", "Schedule", "chain_from_graph", "articulation_stages", "lower_bound", "peak_memory",

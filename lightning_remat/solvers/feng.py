@@ -64,7 +64,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.plan import Plan, Stage, make_plan
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
 
 __all__ = [
     "DivisionNode", "FengSolution", "Segment", "division_tree", "objective", "segments", "solve_arbitrary",

@@ -53,7 +53,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.plan import Plan, Stage, make_plan
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
 
 __all__ = [
     "articulation_chain",

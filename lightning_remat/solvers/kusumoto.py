@@ -57,7 +57,8 @@ from typing import Any
 import numpy as np
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.plan import Plan, Stage, make_plan
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
 
 __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",

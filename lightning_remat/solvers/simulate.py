@@ -54,12 +54,9 @@ parameters are not counted (DESIGN.md section 6). Runtime is O(n + e).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lightning_remat.graph.ir import Graph
-
-if TYPE_CHECKING:
-    from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.plan import Plan, Stage, boundary
 
 VIEW_OPS = frozenset({
     "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
@@ -408,3 +405,54 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
             closure[k] = []
             events[-1].live_bytes = mem.live
     return timeline
+
+
+# ---- plans scored by the simulator ------------------------------------------------------
+
+
+def make_plan(
+    graph: Graph,
+    stages: list[Stage] | list[tuple[list[str], str]],
+    solver: str,
+    budget_bytes: int | None = None,
+    stored: list[str] | None = None,
+    extra_seconds: float | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    """A Plan with its derived fields filled in: stages ordered topologically inside,
+    ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
+    predicted peak, the recomputation time (default: the forward time of every recomputed
+    stage) and ``feasible`` (predicted peak within the budget; True without a budget)."""
+    stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
+    for s in stage_list:
+        s.nodes = sorted(s.nodes, key=graph.position)
+    if stored is None:
+        crossing = set(boundary(graph, stage_list))
+        kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
+        stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
+    if extra_seconds is None:
+        extra_seconds = sum(
+            graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"
+        )
+    plan = Plan(
+        stages=stage_list,
+        stored=list(stored),
+        predicted_peak_bytes=0,
+        predicted_extra_seconds=float(extra_seconds),
+        solver=solver,
+        feasible=True,
+        notes=list(notes or []),
+    )
+    plan.validate(graph)
+    plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
+    plan.feasible = budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes
+    return plan
+
+
+def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
+    """Keep everything: the plan of ordinary training."""
+    return make_plan(graph, [Stage(graph.ids, "keep")], "plain", budget_bytes)
+
+
+def solve_plain(graph: Graph, budget_bytes: int | None = None, **_: object) -> Plan:
+    return plain_plan(graph, budget_bytes)

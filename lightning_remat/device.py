@@ -1,0 +1,133 @@
+"""What the rest of the package asks of a device: where a module lives, how much memory is
+free, whether an error means memory ran out, and how to run something without leaving a trace.
+
+Everything here is written once and used by the profiler, the planner, the batch-size search
+and the Lightning callbacks alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "default_budget", "device_name", "free_device_memory", "is_out_of_memory", "module_device",
+    "move_to_device", "preserved_state", "preserved_training_state",
+]
+
+DEFAULT_MARGIN = 0.1
+"""Share of the available device memory a default budget leaves for the allocator's
+fragmentation and for what other libraries take."""
+
+# Messages of allocation failures that do not raise torch.OutOfMemoryError: the CPU
+# allocator, and cuDNN/cuBLAS failing to get their workspace.
+# (cuDNN reports a failed workspace allocation as NOT_SUPPORTED, as Lightning's
+# is_oom_error also assumes.)
+_OOM_MESSAGES = (
+    "out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+    "cudnn error: cudnn_status_not_supported.", "defaultcpuallocator: can't allocate memory",
+)
+
+
+def module_device(module: nn.Module, inputs: Iterable[Any] = ()) -> torch.device:
+    """The device of a module's first parameter or buffer; for a module without any, the
+    device of the first tensor in ``inputs``; else the CPU."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    for value in pytree.tree_leaves(list(inputs)):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def move_to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside it (tuples, lists, dicts) moved to ``device``."""
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
+def device_name(device: torch.device) -> str:
+    """A name that tells devices of different kinds apart (a CUDA device's product name)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def default_budget(device: torch.device, margin: float = DEFAULT_MARGIN) -> int | None:
+    """The budget when none is given: on CUDA the memory available to the next allocations
+    (free memory plus what the caching allocator holds unused) less ``margin``; None (no
+    limit) elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int((free + cached_unused) * (1 - margin))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` means a device (CUDA, MPS, the CPU allocator) ran out of memory."""
+    oom_types = tuple(
+        t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+        if isinstance(t, type)
+    )
+    if oom_types and isinstance(exc, oom_types):
+        return True
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return any(message in text for message in _OOM_MESSAGES)
+    return False
+
+
+def free_device_memory(device: torch.device | None = None) -> None:
+    """Collect garbage and hand cached device memory back, so the next run starts clean."""
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Restore buffers (BatchNorm running statistics), training flags and the RNG state on
+    exit, so that measuring runs do not change what training would do next."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    modes = [(m, m.training) for m in module.modules()]
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
+            for m, mode in modes:
+                m.training = mode
+
+
+@contextlib.contextmanager
+def preserved_training_state(module: nn.Module) -> Iterator[None]:
+    """:func:`preserved_state` plus the parameters and their gradients, for runs that take
+    optimizer steps or accumulate gradients (measuring a step, a batch-size trial)."""
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    grads = {name: (None if p.grad is None else p.grad.detach().clone())
+             for name, p in module.named_parameters()}
+    devices = sorted({p.device for p in module.parameters()}, key=str)
+    with preserved_state(module, devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    p.copy_(params[name])
+                    p.grad = grads[name]
