@@ -58,3 +58,19 @@ def trainer_kwargs(tmp_path, **extra):
     )
     kwargs.update(extra)
     return kwargs
+
+
+class FlaggedConvNet(ConvNet):
+    """A forward with a Python flag that training_step alternates (a non-tensor argument)."""
+
+    def forward(self, x: torch.Tensor, residual: bool = True) -> torch.Tensor:
+        h = self.stem(x)
+        h = self.act(h + self.block(h)) if residual else self.act(self.block(h))
+        h = self.tail(h)
+        return self.head(h.mean(dim=(2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x, residual=batch_idx % 2 == 0), y)
+        self.log("train_loss", loss)
+        return loss

@@ -352,3 +352,12 @@ def test_profiling_on_cuda_matches_cpu_bytes():
     assert normal["relu"].saved == normal["relu"].mem
     assert all(n.t_fwd > 0 for n in normal) and normal["conv2"].t_bwd > 0
     assert normal.meta["plain_peak_bytes"] > 0
+
+
+def test_one_out_of_memory_test_knows_every_allocator():
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert is_out_of_memory(MemoryError())
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))

@@ -99,3 +99,26 @@ def test_plain_checkpoint_loads_into_a_remat_run(tmp_path):
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path / "r"))
     trainer.fit(ConvNet(), *loaders(), ckpt_path=path)
     assert trainer.current_epoch == 2 and strategy.planner.planned
+
+
+def test_a_new_non_tensor_argument_is_planned_again_and_trains_like_plain(tmp_path):
+    # The strategy and remat() share one planner and one input key: a flag that changes
+    # between steps is a new input, traced and planned for its value, not run through a
+    # graph specialised for the other value.
+    from tests.lit_models import FlaggedConvNet
+
+    results = {}
+    for name, strategy in (("plain", "auto"), ("remat", RematStrategy(memory_budget="60%", cache_dir=tmp_path / "c"))):
+        pl.seed_everything(0)
+        model = FlaggedConvNet()
+        train, _ = loaders()
+        trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path / name, max_epochs=1))
+        trainer.fit(model, train)
+        results[name] = (model, trainer)
+    planner = results["remat"][1].strategy.planner
+    flags = sorted(key[-1] for key in planner.planned)
+    assert flags == ["False", "True"], list(planner.planned)
+    assert all(entry.plan.count("recompute") >= 1 for entry in planner.planned.values())
+    plain, remat_model = results["plain"][0], results["remat"][0]
+    for (name, a), b in zip(plain.state_dict().items(), remat_model.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-6, rtol=0), name

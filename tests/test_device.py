@@ -1,0 +1,21 @@
+"""device.py: the default budget counts what the caching allocator holds unused as free."""
+
+import torch
+
+from lightning_remat.device import default_budget, module_device
+
+
+def test_default_budget_counts_cached_but_unused_memory_as_available(monkeypatch):
+    # Right after profiling, the caching allocator still holds the plain step's peak:
+    # free memory alone would count the package's own cache as used.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 8000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    assert default_budget(torch.device("cuda", 0)) == int((1000 + 2000) * 0.9)
+    assert default_budget(torch.device("cpu")) is None
+
+
+def test_module_device_falls_back_to_the_inputs_then_the_cpu():
+    assert module_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert module_device(torch.nn.ReLU(), [torch.zeros(1, device="meta")]) == torch.device("meta")
+    assert module_device(torch.nn.ReLU()) == torch.device("cpu")
