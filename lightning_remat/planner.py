@@ -204,7 +204,8 @@ class ShapePlanner:
                     self.module, args, example_kwargs=kwargs or None, repeats=self.profile_repeats,
                     safe=self.safe_profile, traced=traced,
                 )
-                graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
+                if graph.meta.bandwidth_bytes_per_s is None:
+                    graph.meta.bandwidth_bytes_per_s = measured_bandwidth(device)
                 budget = parse_budget(self.memory_budget, _plain_peak(graph))
                 if budget is None:
                     budget = _device_budget(device)
@@ -235,7 +236,7 @@ class ShapePlanner:
 def summary(entry: PlannedModule, shapes: tuple) -> str:
     """One screen: plain peak, budget, predicted peak, solver, stages, extra time."""
     graph, plan = entry.graph, entry.plan
-    plain = graph.meta.get("plain_peak_bytes")
+    plain = graph.meta.plain_peak_bytes
     lines = [
         "lightning-remat plan" + (" (from cache)" if entry.from_cache else ""),
         f"  input shapes     : {[list(s) for s, _ in shapes]}",
@@ -247,7 +248,7 @@ def summary(entry: PlannedModule, shapes: tuple) -> str:
         f"{plan.count('offload')} offloaded, {plan.count('keep')} kept)",
         f"  predicted extra  : {plan.predicted_extra_seconds * 1e3:.2f} ms per step",
     ]
-    step = graph.meta.get("step_seconds")
+    step = graph.meta.step_seconds
     if step:
         lines[-1] += f" ({100 * plan.predicted_extra_seconds / step:.1f}% of the profiled step)"
     return "\n".join(lines)

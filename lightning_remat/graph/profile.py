@@ -510,7 +510,7 @@ def _batch_dependence(traced: Traced, module: nn.Module, inputs: tuple[Any, ...]
     another batch size. Structural fallback (does the vertex depend on an input?) when that
     forward fails or there is no batch dimension."""
     graph = traced.graph
-    reach = set(graph.meta.get("input_consumers", []))
+    reach = set(graph.meta.input_consumers or [])
     for vid in graph.ids:
         if any(p in reach for p in graph.predecessors(vid)):
             reach.add(vid)
@@ -548,15 +548,13 @@ def profile_module(
 
     ``example_inputs``: a tensor or a tuple of positional inputs, on the module's device.
     ``loss_fn(outputs) -> scalar``: defaults to the sum of every floating output.
-    Returns the :class:`Graph` with measured costs and the meta keys listed in
-    :mod:`lightning_remat.graph.ir`, plus ``saved_input_bytes`` ({id: bytes of the step's
-    inputs the op saves; they are resident anyway}), ``aliases`` ({id: id of the earlier
-    vertex whose storage this output shares: views and in-place ops}), ``resident_views``
-    ([ids whose output is a view of an input, parameter or buffer: no new memory]),
-    ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
-    (peak of one plain step measured with :func:`~lightning_remat.meter.peak_bytes`,
-    from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
-    step; in safe mode the sum of the vertex times) and ``safe``.
+    Returns the :class:`Graph` with measured costs. Its meta
+    (:class:`~lightning_remat.graph.ir.GraphMeta`, whose fields :mod:`lightning_remat.graph.ir`
+    documents) keeps the tracer's fields and sets ``batch_size``, ``device``, ``dtype``,
+    ``input_bytes``, ``plain_peak_bytes`` (measured with
+    :func:`~lightning_remat.meter.peak_bytes`; None in safe mode), ``step_seconds``,
+    ``batch_dependent``, ``saved_refs``, ``saved_input_bytes``, ``aliases``,
+    ``requires_grad``, ``resident_views`` and ``safe``.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
@@ -576,13 +574,11 @@ def profile_module(
     excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
     args = traced.call_args(inputs, kwargs)
 
-    meta: dict[str, Any] = dict(traced.graph.meta)
-    meta.update(
-        batch_size=batch,
-        device=str(device),
-        dtype=_dtype_of(module, inputs),
-        input_bytes=_output_bytes(input_tensors),
-    )
+    meta = traced.graph.meta.copy()
+    meta.batch_size = batch
+    meta.device = str(device)
+    meta.dtype = _dtype_of(module, inputs)
+    meta.input_bytes = _output_bytes(input_tensors)
     # CUDA events and peak counters work on the current device: make it the module's.
     on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
     with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
@@ -590,8 +586,8 @@ def profile_module(
         records: list[_Record] = []
         if not safe:
             try:
-                meta.update(_plain_steps(module, inputs, kwargs, loss_fn, device, grad_holders,
-                                         warmup, repeats))
+                meta.plain_peak_bytes, meta.step_seconds = _plain_steps(
+                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup, repeats)
                 records = _profile_steps(traced, args, loss_fn, device, excluded, grad_holders,
                                          warmup, repeats)
             except Exception as exc:
@@ -607,13 +603,13 @@ def profile_module(
                           UserWarning, stacklevel=2)
             safe = True
         if safe:
-            meta.pop("plain_peak_bytes", None)
-            meta.pop("step_seconds", None)
+            meta.plain_peak_bytes = None
+            meta.step_seconds = None
             records = _profile_safe(traced, args, device, excluded, grad_holders, warmup, repeats)
         _clear_grads(grad_holders)
         first = records[0]
-        meta["batch_dependent"] = _batch_dependence(traced, module, inputs, kwargs, batch,
-                                                    first.numel, device)
+        meta.batch_dependent = _batch_dependence(traced, module, inputs, kwargs, batch,
+                                                 first.numel, device)
 
     nodes = []
     for node in traced.graph.nodes:
@@ -627,14 +623,14 @@ def profile_module(
             ws_fwd=max(r.ws_fwd.get(vid, 0) for r in records),
             ws_bwd=max(r.ws_bwd.get(vid, 0) for r in records),
         ))
-    meta["saved_refs"] = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
-    meta["saved_input_bytes"] = {vid: b for vid, b in first.saved_input.items() if b}
-    meta["aliases"] = dict(first.aliases)
-    meta["requires_grad"] = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
-    meta["resident_views"] = [vid for vid in traced.graph.ids if vid in first.resident_views]
-    meta["safe"] = safe
+    meta.saved_refs = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
+    meta.saved_input_bytes = {vid: b for vid, b in first.saved_input.items() if b}
+    meta.aliases = dict(first.aliases)
+    meta.requires_grad = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
+    meta.resident_views = [vid for vid in traced.graph.ids if vid in first.resident_views]
+    meta.safe = safe
     if safe:
-        meta["step_seconds"] = sum(n.t_fwd + n.t_bwd for n in nodes)
+        meta.step_seconds = sum(n.t_fwd + n.t_bwd for n in nodes)
     return Graph(nodes, list(traced.graph.edges), meta)
 
 
@@ -651,8 +647,9 @@ def _backward(loss: torch.Tensor) -> None:
 
 def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
                  device: torch.device, grad_holders: list[torch.Tensor], warmup: int,
-                 repeats: int) -> dict[str, Any]:
-    """Plain forward+backward steps: warm-up, the measured peak, and the median step time."""
+                 repeats: int) -> tuple[int, float]:
+    """Plain forward+backward steps after the warm-up: the measured peak and the median
+    step time (``meta.plain_peak_bytes``, ``meta.step_seconds``)."""
     clock = _Clock(device)
 
     def step() -> None:
@@ -671,7 +668,7 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
         clock.sync()
         seconds.append(time.perf_counter() - start)
         _clear_grads(grad_holders)
-    return {"plain_peak_bytes": int(peak), "step_seconds": statistics.median(seconds)}
+    return int(peak), statistics.median(seconds)
 
 
 def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: torch.device,

@@ -687,8 +687,8 @@ def _estimated_costs(traced: Any, args: list[Any]) -> Any:
         Node(id=n.id, op=n.op, mem=out_bytes.get(n.id, 0), saved=out_bytes.get(n.id, 0))
         for n in traced.graph
     ]
-    meta = dict(traced.graph.meta)
-    meta["costs"] = "estimated: output bytes only (no profiler available)"
+    meta = traced.graph.meta.copy()
+    meta.extra["costs"] = "estimated: output bytes only (no profiler available)"
     return Graph(nodes, list(traced.graph.edges), meta)
 
 
@@ -705,7 +705,7 @@ def _profiled_graph(module: nn.Module, traced: Any, inputs: tuple, kwargs: dict)
 def _plain_peak(graph: Any) -> int:
     from lightning_remat.solvers.simulate import simulate
 
-    peak = graph.meta.get("plain_peak_bytes")
+    peak = graph.meta.plain_peak_bytes
     return int(peak) if peak else int(simulate(graph).peak_bytes)
 
 
@@ -849,7 +849,8 @@ class _Planner:
             else:
                 self.budget_bytes = parse_budget(self.memory_budget, _plain_peak(graph))
         # The offloading solvers (and "auto", which ends with them) need beta.
-        graph.meta.setdefault("bandwidth_bytes_per_s", measured_bandwidth(device))
+        if graph.meta.bandwidth_bytes_per_s is None:
+            graph.meta.bandwidth_bytes_per_s = measured_bandwidth(device)
         budget = self.budget_bytes
         if self.memory_budget is None and device.type == "cuda" and not first:
             budget = _device_budget(device)

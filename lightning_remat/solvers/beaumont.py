@@ -124,11 +124,11 @@ def articulation_stages(graph: Graph) -> list[list[str]]:
 
 def _stored_bytes_by_stage(graph: Graph, stages: list[list[str]]) -> tuple[list[float], set[str]]:
     """Bytes each stage keeps for the backward, each storage counted once and charged to the
-    stage that produced it (``meta['saved_refs']`` when present, else each node's
+    stage that produced it (``meta.saved_refs`` when present, else each node's
     ``saved``), and the ids whose values are kept."""
     stage_of = {nid: k for k, stage in enumerate(stages) for nid in stage}
     stored = [0.0] * len(stages)
-    saved_refs = graph.meta.get("saved_refs")
+    saved_refs = graph.meta.saved_refs
     kept_values: set[str] = set()
     if saved_refs is None:
         for nid in graph.ids:
@@ -155,7 +155,7 @@ def chain_from_graph(
 
     ``stages``: the stage cut of a plan (``Stage`` objects or lists of ids, in forward order);
     by default the graph's articulation chain (:func:`articulation_stages`).
-    ``bandwidth``: bytes per second; by default ``graph.meta['bandwidth_bytes_per_s']``.
+    ``bandwidth``: bytes per second; by default ``graph.meta.bandwidth_bytes_per_s``.
 
     Op ``i`` is stage ``i``: ``u_F``/``u_B`` are the sums of its vertices' times; ``x_{i+1}``
     is what stage ``i`` keeps for the backward (so offloading ``x_{i+1}`` is offloading stage
@@ -166,11 +166,11 @@ def chain_from_graph(
     (upper bounds: the chain never under-counts the graph's transient memory).
     """
     if bandwidth is None:
-        bandwidth = graph.meta.get("bandwidth_bytes_per_s")
+        bandwidth = graph.meta.bandwidth_bytes_per_s
         if bandwidth is None:
             raise ValueError(
                 "the offloading solvers need the host-device bandwidth: set "
-                "graph.meta['bandwidth_bytes_per_s'] (measured once per device) or pass "
+                "graph.meta.bandwidth_bytes_per_s (measured once per device) or pass "
                 "bandwidth=<bytes per second>"
             )
     bandwidth = float(bandwidth)

@@ -308,7 +308,7 @@ def articulation_chain(graph: Graph) -> list[str]:
     """The vertices every path from the inputs to the outputs passes through, in
     topological order.
 
-    Paths start at the sources that read the step's inputs (``meta['input_consumers']``
+    Paths start at the sources that read the step's inputs (``meta.input_consumers``
     when it names sources; otherwise every source) and end at any sink. Vertices on no such
     path (a constant computed from nothing, say) cannot be cut vertices and do not break
     the chain. A vertex v on such paths is on all of them exactly when no edge of the
@@ -327,7 +327,7 @@ def articulation_chain(graph: Graph) -> list[str]:
         successors[u].append(w)
         has_predecessor[w] = True
     sources = [k for k in range(count) if not has_predecessor[k]]
-    consumers = {position[v] for v in graph.meta.get("input_consumers") or [] if v in position}
+    consumers = {position[v] for v in graph.meta.input_consumers or [] if v in position}
     starts = [k for k in sources if k in consumers] or sources
     sinks = [k for k in range(count) if not successors[k]]
 

@@ -7,7 +7,7 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   (Hong's observation 1: PyTorch releases ``d_i`` as soon as it is dead, not in batches).
   A forward value is referred to by each forward consumer that has not run yet, by the
   model output until the loss has read it, by every op that saved it for backward
-  (``meta['saved_refs']``) until that op's backward has run, and by every recomputed stage
+  (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
 - **Extra saved bytes.** What an op saves besides forward values (BatchNorm's statistics, a
@@ -23,10 +23,10 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Gradient pass-through.** Ops whose backward hands the incoming gradient on unchanged
   (``add``; views: ``view``, ``reshape``, ``flatten``, ...) allocate nothing: the
   predecessor's gradient aliases the vertex's gradient storage.
-- **Aliased outputs.** Views and in-place ops (``meta['aliases']``: ``{id: base_id}``, or
+- **Aliased outputs.** Views and in-place ops (``meta.aliases``: ``{id: base_id}``, or
   a view op by name) share the storage of their base: no allocation, and the storage lives
   as long as any of the aliases needs it.
-- **Parameter gradients** (``meta['param_bytes']``): on the first step they are allocated
+- **Parameter gradients** (``meta.param_bytes``): on the first step they are allocated
   by the backward of the op that owns the parameters and stay (they are part of the step's
   peak, unlike the parameters themselves).
 - **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only; a
@@ -162,19 +162,19 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
         actions = [s.action for s in plan.stages]
     stage_of = {v: k for k, stage in enumerate(stages) for v in stage}
     meta = graph.meta
-    saved_refs_meta = meta.get("saved_refs")
+    saved_refs_meta = meta.saved_refs
     has_refs = saved_refs_meta is not None
-    param_bytes = {k: int(b) for k, b in (meta.get("param_bytes") or {}).items()}
-    outputs = [o for o in meta.get("outputs", [ids[-1]]) if o in graph]
+    param_bytes = {k: int(b) for k, b in (meta.param_bytes or {}).items()}
+    outputs = [o for o in (meta.outputs if meta.outputs is not None else [ids[-1]]) if o in graph]
     output_set = set(outputs)
     # The profiler names aliases itself (views and in-place results); op names are the
     # fallback for graphs that lack the key.
-    alias_meta = meta.get("aliases")
+    alias_meta = meta.aliases
     guess_views = alias_meta is None and has_refs
     alias_meta = alias_meta or {}
     # Outputs that are views of the step's inputs or parameters allocate nothing.
-    resident_views = set(meta.get("resident_views") or ())
-    saved_input = meta.get("saved_input_bytes") or {}
+    resident_views = set(meta.resident_views or ())
+    saved_input = meta.saved_input_bytes or {}
 
     node = {v: graph[v] for v in ids}
     succ = {v: graph.successors(v) for v in ids}
@@ -205,7 +205,7 @@ def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
     # Which vertices autograd records: those with parameters and those computed from one
     # (the step's inputs need no gradient). Others save nothing and get no gradient. A
     # graph without ``param_bytes`` is taken to need gradients everywhere.
-    if "param_bytes" in meta:
+    if meta.param_bytes is not None:
         requires = {}
         for v in ids:
             requires[v] = bool(param_bytes.get(v)) or any(requires[u] for u in pred[v])
