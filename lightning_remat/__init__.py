@@ -11,8 +11,8 @@ from typing import Any
 from lightning_remat.budget import parse_budget
 from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
 from lightning_remat.graph.ir import Graph, Node
-from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.lightning.strategy import RematDDPStrategy, RematStrategy  # registers "remat"
+from lightning_remat.solvers.plan import Plan, Stage
 
 __version__ = "0.1.0"
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from lightning_remat.budget import parse_budget, validate_budget
+from lightning_remat.cache import CacheKey, PlanCache
 from lightning_remat.errors import format_bytes
 from lightning_remat.graph.ir import Graph
-from lightning_remat.cache import CacheKey, PlanCache
 from lightning_remat.solvers.plan import Plan
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_remat.graph.trace import build_fx_graph, default_loss, preserved_state, trace_module
-from lightning_remat.runtime.module import RematModule, apply_plan
 from lightning_remat.meter import set_mmap_threshold
+from lightning_remat.runtime.module import RematModule, apply_plan
 from lightning_remat.solvers.plan import Plan, Stage, make_plan
 from tests.models import ResidualCNN, tiny_lm
 

@@ -15,8 +15,8 @@ from pytorch_lightning.callbacks import BatchSizeFinder
 from pytorch_lightning.tuner import batch_size_scaling
 
 from lightning_remat.callbacks import RematBatchSizeFinder
-from lightning_remat.lightning.batch_size import LightningTrial, find_max_batch_size, resize_batch
 from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.lightning.batch_size import LightningTrial, find_max_batch_size, resize_batch
 from lightning_remat.tuning import (
     BisectionSampler,
     TrialResult,

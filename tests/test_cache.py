@@ -2,8 +2,8 @@ import sqlite3
 
 import pytest
 
-from lightning_remat.graph.ir import Graph
 from lightning_remat.cache import CacheKey, PlanCache
+from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import make_plan
 
 

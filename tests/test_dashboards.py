@@ -10,8 +10,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.cli import main as cli_main
+from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.lightning.strategy import RematStrategy
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 

@@ -3,8 +3,8 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_remat  # noqa: F401  (registers the strategy)
-from lightning_remat.meter import peak_bytes
 from lightning_remat.lightning.strategy import RematStrategy
+from lightning_remat.meter import peak_bytes
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from lightning_remat.errors import format_bytes
 from lightning_remat import meter as memory
+from lightning_remat.errors import format_bytes
 
 try:
     import pytorch_lightning as pl

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from lightning_remat.budget import validate_budget
-from lightning_remat.graph.ir import Graph
 from lightning_remat.cache import PlanCache
+from lightning_remat.graph.ir import Graph
 from lightning_remat.planner import PlannedModule, ShapePlanner, summary
 from lightning_remat.solvers import SOLVERS
 from lightning_remat.solvers.plan import Plan
