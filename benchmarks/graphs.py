@@ -182,7 +182,7 @@ def profile_model(name: str) -> Graph:
         y = torch.randint(0, 1000, (batch,))
     module = WithLoss(model, sequence=name == "gpt").train()
     graph = profile_module(module, (x, y), loss_fn=lambda out: out, warmup=1, repeats=3)
-    graph.meta["model"] = PROFILED[name][1]
+    graph.meta.extra["model"] = PROFILED[name][1]
     return graph
 
 

@@ -38,7 +38,8 @@ def table(path: Path, points: int, slots: int) -> list[str]:
     chain = chain_from_graph(graph)
     lo, hi = min_memory(chain), peak_memory(chain)
     lines = [
-        f"{graph.meta.get('model', path.stem)}: {chain.n} stages, compute {chain.compute_time * 1e3:.1f} ms, "
+        f"{graph.meta.extra.get('model', path.stem)}: {chain.n} stages, "
+        f"compute {chain.compute_time * 1e3:.1f} ms, "
         f"beta {chain.beta / 1e9:.1f} GB/s, memory {lo / 2**30:.2f} .. {hi / 2**30:.2f} GiB",
         f"{'limit':>6} {'GiB':>6} {'LB ms':>8} {'greedy':>7} {'dynprog':>7} {'vdnn':>7} {'dp s':>6}",
     ]

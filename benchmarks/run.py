@@ -219,7 +219,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
                    budget_bytes=run.budget_bytes,
                    predicted_peak_bytes=plan.predicted_peak_bytes,
                    predicted_extra_seconds=plan.predicted_extra_seconds,
-                   profiled_step_seconds=run.graph.meta.get("step_seconds"))
+                   profiled_step_seconds=run.graph.meta.step_seconds)
     elif method != "plain":
         raise ValueError(f"unknown method {method!r}")
 
@@ -289,9 +289,10 @@ def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     from lightning_remat.runtime.offload import measure_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
 
-    graph.meta.setdefault("bandwidth_bytes_per_s", measure_bandwidth(device))
+    if graph.meta.bandwidth_bytes_per_s is None:
+        graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
     plain = plain_peak_bytes(graph)  # what a fractional budget is a fraction of
-    step = graph.meta.get("step_seconds") or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
+    step = graph.meta.step_seconds or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
     cells = []
     for solver in PREDICTED_SOLVERS:
         options = solver_options(solver, device)

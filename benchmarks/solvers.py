@@ -14,7 +14,7 @@ Run from the repository root::
 2. Comparison: for the profiled graphs of ResNet-50, VGG-19, DenseNet-121 and a GPT language
    model (``benchmarks/graphs.py``; cached as JSON under ``benchmarks/graphs/``), each
    solver's predicted peak (% of the plain plan's predicted peak) and predicted extra time
-   (% of the profiled plain step time, ``meta['step_seconds']``) at budgets of 30%, 50% and
+   (% of the profiled plain step time, ``meta.step_seconds``) at budgets of 30%, 50% and
    75% with the solver's runtime. A cell whose plan does not fit shows the solver's smallest
    feasible budget instead (as % of the plain peak). The budgets are fractions of the plain
    peak *above the parameter gradients* (which the simulator counts in every peak and no plan
@@ -154,14 +154,14 @@ def speed(repeats: int) -> None:
 
 # ---- 2. comparison -------------------------------------------------------------------------
 def compare_model(name: str, graph: Graph, fractions: tuple[float, ...], skip_exact: bool) -> None:
-    graph.meta["bandwidth_bytes_per_s"] = BANDWIDTH_BYTES_PER_S
+    graph.meta.bandwidth_bytes_per_s = BANDWIDTH_BYTES_PER_S
     plain = plain_plan(graph).predicted_peak_bytes
     # Parameter gradients are part of every plan's peak (the simulator counts them) and no
     # recomputation or offloading removes them; budgets are fractions of the rest.
-    floor = sum(int(b) for b in (graph.meta.get("param_bytes") or {}).values())
+    floor = sum(int(b) for b in (graph.meta.param_bytes or {}).values())
     removable = max(plain - floor, 1)
-    step = graph.meta.get("step_seconds")
-    step_source = "meta['step_seconds']"
+    step = graph.meta.step_seconds
+    step_source = "meta.step_seconds"
     if not step:
         step = sum(node.t_fwd + node.t_bwd for node in graph.nodes)
         step_source = "sum of t_fwd + t_bwd"

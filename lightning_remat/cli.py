@@ -47,7 +47,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     model = model.to(args.device)
     graph = profile_module(model, example, safe=args.safe)
     graph.save(args.out)
-    peak = graph.meta.get("plain_peak_bytes")
+    peak = graph.meta.plain_peak_bytes
     extra = f", measured plain peak {format_bytes(peak)}" if peak else ""
     print(f"wrote {args.out}: {len(graph)} vertices, {len(graph.edges)} edges{extra}")
     return 0

@@ -104,7 +104,7 @@ def shapes_of(key: InputKey) -> list[list[int]]:
 
 def plain_peak_bytes(graph: Graph) -> int:
     """The plain step's peak: measured by the profiler, else simulated."""
-    measured = graph.meta.get("plain_peak_bytes")
+    measured = graph.meta.plain_peak_bytes
     return int(measured) if measured else int(simulate(graph).peak_bytes)
 
 
@@ -253,7 +253,7 @@ class Planner:
                 "lightning_remat: the inputs differ from the ones the plan was made for "
                 f"(shapes {shapes_of(previous)} -> {shapes_of(key)}, or non-tensor arguments); "
                 "re-planning for them (each new input is planned once and cached)",
-                stacklevel=4,
+                stacklevel=6,  # the caller of the module: planned_for < _select < forward < nn.Module
             )
             self._warned = True
         self.busy = True
@@ -307,7 +307,8 @@ class Planner:
                     safe=settings.safe_profile, traced=traced,
                 )
                 # The offloading solvers (and "auto", which ends with them) need beta.
-                graph.meta.setdefault("bandwidth_bytes_per_s", measure_bandwidth(device))
+                if graph.meta.bandwidth_bytes_per_s is None:
+                    graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
                 budget = settings.budget_bytes(graph, device)
                 plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
                 if cache_key is not None:

@@ -51,7 +51,7 @@ def format_plan(
 ) -> str:
     """A plan on one screen: what it was made for, what it predicts, and one row per stage.
     ``markdown``: a pipe table for TensorBoard's text plugin; else aligned plain text."""
-    plain = graph.meta.get("plain_peak_bytes")
+    plain = graph.meta.plain_peak_bytes
     facts = [("solver", plan.solver)]
     if shapes is not None:
         facts.append(("input shapes", str([list(s) for s in shapes])))
@@ -64,7 +64,7 @@ def format_plan(
                    f"{plan.count('offload')} offloaded, {plan.count('keep')} kept)"),
     ]
     extra = f"{plan.predicted_extra_seconds * 1e3:.2f} ms per step"
-    step = graph.meta.get("step_seconds")
+    step = graph.meta.step_seconds
     if step:
         extra += f" ({100 * plan.predicted_extra_seconds / step:.1f}% of the profiled step)"
     facts.append(("predicted extra", extra))

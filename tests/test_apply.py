@@ -1,4 +1,4 @@
-"""apply_plan: a planned module trains exactly like the plain one (DESIGN.md section 5).
+"""apply_plan: a planned module trains exactly like the plain one (docs/design.md section 5).
 
 Every hard case compares a rematerialized copy against the plain module over several
 optimizer steps from the same state and inputs: outputs, gradients, parameters, optimizer

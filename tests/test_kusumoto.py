@@ -1,5 +1,5 @@
 """Kusumoto et al. DP against a brute-force oracle over every increasing sequence of lower
-sets (DESIGN.md 4.4 formulas, written again here independently with plain Python sets)."""
+sets (docs/design.md section 4.4 formulas, written again here independently with plain Python sets)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Offloading solvers (Beaumont et al., papers/beaumont-offloading.txt): the lower bound,
+"""Offloading solvers (Beaumont, Eyraud-Dubois and Shilova, Euro-Par 2020): the lower bound,
 GREEDY, DYNPROG, the vDNN-style baseline and the no-wait ordered schedule simulator."""
 
 from __future__ import annotations
@@ -295,5 +295,5 @@ def test_cnn_profile_chains_count_each_saved_storage_once():
         assert chain.n == stages
         # Conv and the ReLU before it save the same storage: the chain counts it once.
         assert 0 < sum(chain.x) < sum(n.saved for n in graph)
-        assert chain.beta == graph.meta["bandwidth_bytes_per_s"]
+        assert chain.beta == graph.meta.bandwidth_bytes_per_s
         assert min_memory(chain) < peak_memory(chain)

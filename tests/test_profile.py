@@ -50,14 +50,14 @@ def test_saved_bytes_of_relu_and_linear_match_hand_computed_sizes():
     assert graph[relu].saved == batch * 16 * F32
     assert graph[second].saved == batch * 16 * F32
     assert graph[first].saved == batch * 8 * F32
-    refs = graph.meta["saved_refs"]
+    refs = graph.meta.saved_refs
     assert refs[relu] == [relu] and refs[second] == [relu] and refs[first] == []
     # the first Linear saves the step's input, which is resident, not a vertex
-    assert graph.meta["saved_input_bytes"] == {first: batch * 8 * F32}
-    assert graph.meta["input_bytes"] == batch * 8 * F32
-    assert graph.meta["batch_size"] == batch
-    assert graph.meta["device"] == "cpu" and graph.meta["dtype"] == "float32"
-    assert graph.meta["outputs"] == [second] and graph.meta["input_consumers"] == [first]
+    assert graph.meta.saved_input_bytes == {first: batch * 8 * F32}
+    assert graph.meta.input_bytes == batch * 8 * F32
+    assert graph.meta.batch_size == batch
+    assert graph.meta.device == "cpu" and graph.meta.dtype == "float32"
+    assert graph.meta.outputs == [second] and graph.meta.input_consumers == [first]
 
 
 def test_saved_bytes_of_batchnorm_in_training():
@@ -70,8 +70,8 @@ def test_saved_bytes_of_batchnorm_in_training():
     assert graph[conv].mem == graph[bn].mem == graph[relu].mem == activation
     # input plus save_mean and save_invstd (C floats each); weight and running stats excluded
     assert graph[bn].saved == activation + 2 * channels * F32
-    assert graph.meta["saved_refs"][bn] == [conv]
-    assert graph.meta["saved_refs"][relu] == [relu]
+    assert graph.meta.saved_refs[bn] == [conv]
+    assert graph.meta.saved_refs[relu] == [relu]
 
 
 def test_inplace_relu_is_an_alias_of_its_input():
@@ -80,13 +80,13 @@ def test_inplace_relu_is_an_alias_of_its_input():
     normal = _fast(model, x)
     safe = _fast(model, x, safe=True)
     _, bn, relu, _ = normal.ids
-    assert normal.meta["aliases"] == {relu: bn}
+    assert normal.meta.aliases == {relu: bn}
     # the in-place ReLU saves its result, which is the BatchNorm output's storage
-    assert normal.meta["saved_refs"][relu] == [bn]
+    assert normal.meta.saved_refs[relu] == [bn]
     for graph in (normal, safe):
         assert graph[relu].saved == graph[bn].mem
-    assert safe.meta["aliases"] == normal.meta["aliases"]
-    assert safe.meta["saved_refs"] == normal.meta["saved_refs"]
+    assert safe.meta.aliases == normal.meta.aliases
+    assert safe.meta.saved_refs == normal.meta.saved_refs
 
 
 @pytest.mark.parametrize(
@@ -108,9 +108,9 @@ def test_safe_mode_measures_the_same_bytes(factory, example):
     assert [n.saved for n in normal] == [n.saved for n in safe]
     for key in ("saved_refs", "saved_input_bytes", "aliases", "batch_dependent", "param_bytes",
                 "requires_grad", "resident_views"):
-        assert normal.meta[key] == safe.meta[key], key
-    assert "plain_peak_bytes" in normal.meta and "plain_peak_bytes" not in safe.meta
-    assert safe.meta["safe"] is True and normal.meta["safe"] is False
+        assert getattr(normal.meta, key) == getattr(safe.meta, key), key
+    assert normal.meta.plain_peak_bytes is not None and safe.meta.plain_peak_bytes is None
+    assert safe.meta.safe is True and normal.meta.safe is False
     assert sum(n.saved for n in normal) > 0
 
 
@@ -118,7 +118,7 @@ def test_times_are_positive_medians():
     graph = profile_module(models.mlp(), torch.randn(8, 16), warmup=1, repeats=3)
     for node in graph:
         assert node.t_fwd > 0 and node.t_bwd > 0, node
-    assert graph.meta["step_seconds"] > 0
+    assert graph.meta.step_seconds > 0
 
 
 def test_profiling_does_not_change_training():
@@ -148,10 +148,10 @@ def test_profiling_does_not_change_training():
 
 def test_batch_dependence_separates_parameter_slices():
     graph = _fast(models.tiny_lm(), torch.randint(0, 50, (2, 10)))
-    dependent = graph.meta["batch_dependent"]
+    dependent = graph.meta.batch_dependent
     assert dependent["getitem"] is False  # self.pos[:, :T] does not grow with the batch
     assert dependent["head"] is True and dependent["embed"] is True
-    assert "getitem" in graph.meta["resident_views"]  # a view of a parameter: no new memory
+    assert "getitem" in graph.meta.resident_views  # a view of a parameter: no new memory
     # the scaled graph doubles the activations, not the parameter slice
     doubled = graph.scaled(4)
     assert doubled["head"].mem == 2 * graph["head"].mem
@@ -160,8 +160,8 @@ def test_batch_dependence_separates_parameter_slices():
 
 def test_views_are_recorded_as_aliases():
     graph = _fast(models.residual_cnn(), torch.randn(2, 3, 8, 8))
-    assert graph.meta["aliases"] == {"flatten": "pool"}
-    assert graph.meta["saved_refs"]["fc"] == ["pool"]  # the owner of flatten's storage
+    assert graph.meta.aliases == {"flatten": "pool"}
+    assert graph.meta.saved_refs["fc"] == ["pool"]  # the owner of flatten's storage
 
 
 def test_plain_peak_is_measured_in_normal_mode():
@@ -169,8 +169,8 @@ def test_plain_peak_is_measured_in_normal_mode():
     graph = _fast(model, torch.randn(64, 256))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # the step starts without gradients, so their allocation is part of its peak
-    assert graph.meta["plain_peak_bytes"] >= 0.9 * param_bytes
-    assert sum(graph.meta["param_bytes"].values()) == param_bytes
+    assert graph.meta.plain_peak_bytes >= 0.9 * param_bytes
+    assert sum(graph.meta.param_bytes.values()) == param_bytes
 
 
 def test_out_of_memory_falls_back_to_safe_mode(monkeypatch):
@@ -181,7 +181,7 @@ def test_out_of_memory_falls_back_to_safe_mode(monkeypatch):
     model, x = models.residual_cnn(), torch.randn(2, 3, 8, 8)
     with pytest.warns(UserWarning, match="out of memory.*memory-safe"):
         graph = _fast(model, x)
-    assert graph.meta["safe"] is True and "plain_peak_bytes" not in graph.meta
+    assert graph.meta.safe is True and graph.meta.plain_peak_bytes is None
     reference = _fast(model, x, safe=True)
     assert [n.saved for n in graph] == [n.saved for n in reference]
 
@@ -229,8 +229,8 @@ def test_chain_fallback_profiles_each_child():
         safe = _fast(DataDependent(), torch.randn(5, 4), safe=True)
     assert graph.ids == ["a", "b", "c"]
     assert [graph[i].mem for i in graph.ids] == [5 * 8 * F32, 5 * 8 * F32, 5 * 2 * F32]
-    assert graph["b"].saved == 5 * 8 * F32 and graph.meta["saved_refs"]["b"] == ["b"]
-    assert graph["c"].saved == 5 * 8 * F32 and graph.meta["saved_refs"]["c"] == ["b"]
+    assert graph["b"].saved == 5 * 8 * F32 and graph.meta.saved_refs["b"] == ["b"]
+    assert graph["c"].saved == 5 * 8 * F32 and graph.meta.saved_refs["c"] == ["b"]
     assert [n.saved for n in safe] == [n.saved for n in graph]
 
 
@@ -248,12 +248,12 @@ def test_cli_profile_writes_a_loadable_graph(tmp_path, capsys):
                  "-o", str(path)]) == 0
     assert "wrote" in capsys.readouterr().out
     graph = Graph.load(path)
-    assert len(graph) == 5 and graph.meta["batch_size"] == 4
+    assert len(graph) == 5 and graph.meta.batch_size == 4
     assert graph[graph.ids[1]].saved == 4 * 16 * F32
     safe_path = tmp_path / "lm.json"
     assert main(["profile", "tests.models:tiny_lm", "--batch-size", "2", "--input-shape", "8",
                  "--dtype", "long", "--vocab", "50", "--safe", "-o", str(safe_path)]) == 0
-    assert Graph.load(safe_path).meta["safe"] is True
+    assert Graph.load(safe_path).meta.safe is True
 
 
 class Tricky(nn.Module):
@@ -278,21 +278,21 @@ def test_dropout_tied_weights_inplace_and_dict_output():
     safe = _fast(model, x, safe=True)
     assert normal.ids == ["fc", "add_", "drop", "relu_", "fc_1", "argmax"]
     # the Linear called twice owns its parameters once
-    assert normal.meta["param_bytes"] == {"fc": (8 * 8 + 8) * F32}
-    assert sorted(normal.meta["outputs"]) == ["argmax", "fc_1"]
-    assert normal.meta["aliases"] == {"add_": "fc", "relu_": "drop"}
+    assert normal.meta.param_bytes == {"fc": (8 * 8 + 8) * F32}
+    assert sorted(normal.meta.outputs) == ["argmax", "fc_1"]
+    assert normal.meta.aliases == {"add_": "fc", "relu_": "drop"}
     # dropout keeps a mask of its own (float on CPU, bool with the fused CUDA kernel);
     # relu_ keeps its result, which is dropout's storage
-    assert normal["drop"].saved in (4 * 8 * F32, 4 * 8) and normal.meta["saved_refs"]["drop"] == []
-    assert normal["relu_"].saved == 4 * 8 * F32 and normal.meta["saved_refs"]["relu_"] == ["drop"]
+    assert normal["drop"].saved in (4 * 8 * F32, 4 * 8) and normal.meta.saved_refs["drop"] == []
+    assert normal["relu_"].saved == 4 * 8 * F32 and normal.meta.saved_refs["relu_"] == ["drop"]
     assert normal["argmax"].mem == 4 * 8  # int64 indices
-    assert normal.meta["requires_grad"] == {
+    assert normal.meta.requires_grad == {
         "fc": True, "add_": True, "drop": True, "relu_": True, "fc_1": True, "argmax": False,
     }
-    assert safe.meta["requires_grad"] == normal.meta["requires_grad"]
+    assert safe.meta.requires_grad == normal.meta.requires_grad
     assert [n.mem for n in safe] == [n.mem for n in normal]
     assert [n.saved for n in safe] == [n.saved for n in normal]
-    assert safe.meta["saved_refs"] == normal.meta["saved_refs"]
+    assert safe.meta.saved_refs == normal.meta.saved_refs
 
 
 def test_forward_workspace_is_the_temporary_peak():
@@ -335,7 +335,7 @@ def test_safe_mode_handles_inplace_ops_it_did_not_recognise():
     normal = _fast(HiddenInplace(), x)
     safe = _fast(HiddenInplace(), x, safe=True)
     assert [n.saved for n in safe] == [n.saved for n in normal]
-    assert safe.meta["aliases"] == normal.meta["aliases"] == {"double_in_place": "fc"}
+    assert safe.meta.aliases == normal.meta.aliases == {"double_in_place": "fc"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -346,12 +346,12 @@ def test_profiling_on_cuda_matches_cpu_bytes():
     model, x = model.cuda(), x.cuda()
     normal = profile_module(model, x, warmup=1, repeats=3)
     safe = profile_module(model, x, warmup=1, repeats=3, safe=True)
-    assert normal.meta["device"].startswith("cuda")
+    assert normal.meta.device.startswith("cuda")
     assert [n.mem for n in normal] == [n.mem for n in on_cpu]
     assert [n.saved for n in normal] == [n.saved for n in safe]
     assert normal["relu"].saved == normal["relu"].mem
     assert all(n.t_fwd > 0 for n in normal) and normal["conv2"].t_bwd > 0
-    assert normal.meta["plain_peak_bytes"] > 0
+    assert normal.meta.plain_peak_bytes > 0
 
 
 def test_one_out_of_memory_test_knows_every_allocator():

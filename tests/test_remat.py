@@ -108,10 +108,10 @@ def test_remat_leaves_the_model_as_it_found_it() -> None:
 
 def test_fractions_are_of_the_profiled_plain_peak() -> None:
     graph = remat(residual_cnn(), torch.randn(2, 3, 8, 8)).graph
-    assert "plain_peak_bytes" in graph.meta  # measured by the profiler
-    graph.meta["plain_peak_bytes"] = 12345
+    assert graph.meta.plain_peak_bytes is not None  # measured by the profiler
+    graph.meta.plain_peak_bytes = 12345
     assert planner_module.plain_peak_bytes(graph) == 12345
-    graph.meta.pop("plain_peak_bytes")  # safe-mode profiles have none (0: too small to see)
+    graph.meta.plain_peak_bytes = None  # safe-mode profiles have none (0: too small to see)
     assert planner_module.plain_peak_bytes(graph) == simulate(graph).peak_bytes
 
 
@@ -121,7 +121,7 @@ def test_no_budget_on_cpu_is_the_plain_plan_with_its_profile() -> None:
     assert [s.action for s in remat_model.plan.stages] == ["keep"]
     assert set(remat_model.plan.stages[0].nodes) == set(remat_model.graph.ids)
     assert remat_model.graph.total("mem") > 0
-    assert remat_model.graph.meta["bandwidth_bytes_per_s"] > 0  # for the offloading solvers
+    assert remat_model.graph.meta.bandwidth_bytes_per_s > 0  # for the offloading solvers
 
 
 def test_keyword_inputs_and_tuple_outputs() -> None:

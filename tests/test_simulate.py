@@ -186,7 +186,7 @@ print(json.dumps({"measured": measured, "predicted": simulate(graph).peak_bytes}
 
 def run_isolated(code: str) -> dict:
     """Run ``code`` in a fresh interpreter with the mmap threshold fixed from its start (the
-    CPU meter's premise, DESIGN.md section 6); its last stdout line is JSON."""
+    CPU meter's premise, docs/design.md section 6); its last stdout line is JSON."""
     import json
     import os
     import subprocess

@@ -22,9 +22,9 @@ def test_linear_model_is_a_chain_of_its_layers():
     # vertex ids are the fx node names, so plans map back onto the traced module
     fx_names = {n.name for n in traced.gm.graph.nodes}
     assert set(graph.ids) <= fx_names
-    assert graph.meta["input_consumers"] == ["_0"]
-    assert graph.meta["outputs"] == ["_2"]
-    assert graph.meta["param_bytes"] == {"_0": _linear_bytes(8, 16), "_2": _linear_bytes(16, 4)}
+    assert graph.meta.input_consumers == ["_0"]
+    assert graph.meta.outputs == ["_2"]
+    assert graph.meta.param_bytes == {"_0": _linear_bytes(8, 16), "_2": _linear_bytes(16, 4)}
     assert all(n.mem == 0 and n.t_fwd == 0 for n in graph)
 
 
@@ -37,14 +37,14 @@ def test_residual_add_and_functional_ops_are_vertices():
     assert set(graph.successors("relu")) == {"conv2", "add"}
     assert graph.predecessors("fc") == ["flatten"]
     assert not graph.is_chain()
-    assert graph.meta["outputs"] == ["fc"]
+    assert graph.meta.outputs == ["fc"]
 
 
 def test_concat_joins_two_branches():
     graph = trace_module(models.concat_branches(), torch.randn(3, 8)).graph
     assert graph.predecessors("cat") == ["relu", "tanh"]
     assert graph.predecessors("relu") == ["left"] and graph.predecessors("tanh") == ["right"]
-    assert sorted(graph.meta["input_consumers"]) == ["left", "right"]
+    assert sorted(graph.meta.input_consumers) == ["left", "right"]
     assert graph.successors("cat") == ["head"]
 
 
@@ -107,7 +107,7 @@ def test_keyword_inputs_and_defaults():
     assert plain.graph.ids == ["fc"]
     masked = trace_module(OptionalMask(), x, {"mask": torch.ones(2, 4)})
     assert masked.graph.ids == ["fc", "mul"]
-    assert masked.graph.meta["input_consumers"] == ["fc", "mul"]
+    assert masked.graph.meta.input_consumers == ["fc", "mul"]
 
 
 class DataDependent(nn.Module):
@@ -147,8 +147,8 @@ def test_fallback_to_children_chain_warns_why():
     graph = traced.graph
     assert [(n.id, n.op) for n in graph] == [("a", "Linear"), ("b", "ReLU"), ("c", "Linear")]
     assert graph.edges == [("a", "b"), ("b", "c")]
-    assert graph.meta["param_bytes"] == {"a": _linear_bytes(4, 8), "c": _linear_bytes(8, 2)}
-    assert graph.meta["outputs"] == ["c"] and graph.meta["input_consumers"] == ["a"]
+    assert graph.meta.param_bytes == {"a": _linear_bytes(4, 8), "c": _linear_bytes(8, 2)}
+    assert graph.meta.outputs == ["c"] and graph.meta.input_consumers == ["a"]
 
 
 def test_trace_error_names_the_module_when_nothing_works():
@@ -175,9 +175,9 @@ def test_transformer_lm_traces_attention_ops():
     graph = trace_module(models.tiny_lm(), torch.randint(0, 50, (2, 10))).graph
     ops = [n.op for n in graph]
     assert ops.count("scaled_dot_product_attention") == 2
-    assert graph.meta["outputs"] == ["head"]
+    assert graph.meta.outputs == ["head"]
     # the positional-embedding slice reads a parameter only: its bytes are owned there
-    assert graph.meta["param_bytes"]["getitem"] == 32 * 16 * 4
+    assert graph.meta.param_bytes["getitem"] == 32 * 16 * 4
 
 
 def test_trace_rejects_a_non_module():
@@ -201,9 +201,9 @@ def test_nested_tuple_outputs_hang_off_the_op_owner():
     graph = traced.graph
     owner = traced.charge["lstm"]
     assert "lstm" not in graph and owner in graph
-    assert graph.meta["input_consumers"] == [owner]
+    assert graph.meta.input_consumers == [owner]
     assert graph.predecessors(owner) == []
-    assert graph.meta["param_bytes"] == {
+    assert graph.meta.param_bytes == {
         owner: sum(p.numel() * 4 for p in traced.gm.lstm.parameters()),
         "fc": (6 * 3 + 3) * 4,
     }
@@ -229,5 +229,5 @@ class ReshapeByOtherSize(nn.Module):
 def test_edges_that_carry_only_sizes_are_marked():
     graph = trace_module(ReshapeByOtherSize(), torch.randn(2, 4)).graph
     assert sorted(graph.predecessors("view")) == ["a", "b"]
-    assert graph.meta["shape_edges"] == [["a", "view"]]
-    assert trace_module(ViewBySize(), torch.randn(2, 3, 6, 6)).graph.meta["shape_edges"] == []
+    assert graph.meta.shape_edges == [["a", "view"]]
+    assert trace_module(ViewBySize(), torch.randn(2, 3, 6, 6)).graph.meta.shape_edges == []

@@ -1,7 +1,7 @@
 """The graph IR every solver reads: a DAG of tensors produced by the forward, with costs.
 
-Vertices are the values the forward computes (DESIGN.md section 3); an edge ``u -> v`` means
-``v`` is computed from ``u``. Inputs and parameters are not vertices: they are resident
+Vertices are the values the forward computes (docs/design.md section 3); an edge ``u -> v``
+means ``v`` is computed from ``u``. Inputs and parameters are not vertices: they are resident
 before the step starts. Node ids are the names of the ``torch.fx`` nodes they came from, so a
 plan over the graph maps back onto the traced module.
 
@@ -12,19 +12,48 @@ JSON form (other tools depend on it; nothing else is written)::
      "edges": [["conv1", "bn1"]],
      "meta": {"batch_size": 32, "device": "cuda:0", "dtype": "float32"}}
 
-``meta`` is free-form. Keys the profiler writes and the simulator reads when present:
+``meta`` is a :class:`GraphMeta`: named fields, each absent (None, and left out of the JSON)
+unless a writer set it; other keys are kept as they are in ``GraphMeta.extra``. The tracer
+(``graph/trace.py``) writes the structure:
 
-- ``input_bytes``: bytes of the step's inputs (resident, not part of the budget);
+- ``input_consumers``: ids of the vertices that read the step's inputs;
+- ``outputs``: ids of the vertices whose values leave the forward (the loss reads them).
+  Absent, the simulator takes the last vertex; empty, no vertex;
 - ``param_bytes``: ``{id: bytes}`` of the parameters a vertex's op owns (their gradients are
-  allocated during the backward of the first step);
+  allocated during the backward of the first step). Absent, the simulator takes every
+  vertex to need a gradient; present (even empty), only those computed from a parameter;
+- ``shape_edges``: ``[[u, v], ...]`` the edges through which only ``u``'s shape flows
+  (``v`` does not need ``u``'s value alive).
+
+The profiler (``graph/profile.py``) adds the setting and the measurements:
+
+- ``batch_size``: the profiled batch size (absent when the inputs have no batch dimension);
+- ``device``, ``dtype``: where and in which floating type it ran (``"cuda:0"``, ``"float32"``);
+- ``input_bytes``: bytes of the step's inputs (resident, not part of the budget);
+- ``plain_peak_bytes``: the measured peak of one plain step, from a state without gradients
+  (absent in safe mode);
+- ``step_seconds``: the median plain step (in safe mode the sum of the vertex times);
+- ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size
+  (absent: every vertex's do);
 - ``saved_refs``: ``{id: [ids]}`` the vertex outputs whose storage the op saves for backward
   (its own id when it saves its output, e.g. ReLU; an input's id, e.g. Linear). ``saved``
   minus the ``mem`` of these referenced vertices is what the op saves besides (BatchNorm's
-  statistics, a dropout mask, max-pool indices);
-- ``input_consumers``: ids of the vertices that read the step's inputs;
-- ``outputs``: ids of the vertices whose values leave the forward (the loss reads them);
-- ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size;
-- ``bandwidth_bytes_per_s``: host-device bandwidth, for the offloading solvers.
+  statistics, a dropout mask, max-pool indices). Absent, the simulator holds each op's whole
+  ``saved`` as one block of its own; present (even empty), it counts shared storages once;
+- ``saved_input_bytes``: ``{id: bytes}`` of the step's inputs the op saves (resident anyway);
+- ``aliases``: ``{id: base_id}`` the earlier vertex whose storage this output shares (views
+  and in-place ops). Present (even empty), the simulator takes the map as complete; absent,
+  it guesses views from the op names on a graph with ``saved_refs`` and assumes none on a
+  hand-built graph without;
+- ``requires_grad``: ``{id: bool}`` whether autograd records the vertex's output;
+- ``resident_views``: ids whose output is a view of an input, parameter or buffer (no new
+  memory);
+- ``safe``: whether the memory-safe mode measured the costs (op by op, no whole step).
+
+The planners (``planner.py``, ``runtime/module.py``) add ``bandwidth_bytes_per_s``: the
+host-device bandwidth, the offloading solvers' beta (measured once per device). Keys are
+written in the order above, then those of ``extra`` (``model``, the description the
+benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
 """
 
 from __future__ import annotations
@@ -32,7 +61,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -90,15 +119,176 @@ def _check_node(raw: Any, position: int) -> Node:
     return Node(**values)
 
 
+# ---- graph metadata -------------------------------------------------------------------------
+def _whole(label: str, value: Any) -> int:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise ValueError(f"meta {label} must be a whole number, got {value!r:.80}")
+    return int(value)
+
+
+def _number(label: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"meta {label} must be a number, got {value!r:.80}")
+    return float(value)
+
+
+def _text(label: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"meta {label} must be a string, got {value!r:.80}")
+    return value
+
+
+def _flag(label: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"meta {label} must be true or false, got {value!r:.80}")
+    return value
+
+
+def _ids(label: str, value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"meta {label} must be a list of node ids, got {value!r:.80}")
+    return list(value)
+
+
+def _pairs(label: str, value: Any) -> list[list[str]]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, str) for v in p)
+        for p in value
+    ):
+        raise ValueError(f"meta {label} must be a list of [from_id, to_id] pairs, "
+                         f"got {value!r:.80}")
+    return [list(p) for p in value]
+
+
+def _per_node(check: Callable[[str, Any], Any]) -> Callable[[str, Any], dict[str, Any]]:
+    """The check of a ``{node id: value}`` object, from the check of one value."""
+
+    def checked(label: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"meta {label} must be an object keyed by node id, got {value!r:.80}")
+        return {k: check(f"{label} entry {k!r}", v) for k, v in value.items()}
+
+    return checked
+
+
+# A GraphMeta field's annotation (a string, with postponed annotations) picks its check; a
+# check returns the value it keeps: whole floats as int, rates as float, containers copied.
+_CHECK_BY_TYPE: dict[str, Callable[[str, Any], Any]] = {
+    "int | None": _whole,
+    "float | None": _number,
+    "str | None": _text,
+    "bool | None": _flag,
+    "list[str] | None": _ids,
+    "list[list[str]] | None": _pairs,
+    "dict[str, int] | None": _per_node(_whole),
+    "dict[str, bool] | None": _per_node(_flag),
+    "dict[str, str] | None": _per_node(_text),
+    "dict[str, list[str]] | None": _per_node(_ids),
+}
+
+
+@dataclass
+class GraphMeta:
+    """What a graph carries besides its vertices' costs (the module docstring says who
+    writes each field). None means absent: the readers tell an absent field from an empty
+    one (the simulator does for ``saved_refs``, ``aliases``, ``param_bytes`` and
+    ``outputs``). The field order is the key order of the JSON form."""
+
+    # ---- structure, from the tracer --------------------------------------------------------
+    input_consumers: list[str] | None = None
+    """Ids of the vertices that read the step's inputs."""
+    outputs: list[str] | None = None
+    """Ids of the vertices whose values leave the forward (None: the last vertex)."""
+    param_bytes: dict[str, int] | None = None
+    """``{id: bytes}`` of the parameters each vertex's op owns."""
+    shape_edges: list[list[str]] | None = None
+    """``[[u, v], ...]``: edges through which only ``u``'s shape flows."""
+    # ---- the profiled step -------------------------------------------------------------------
+    batch_size: int | None = None
+    """The profiled batch size (None when the inputs have no batch dimension)."""
+    device: str | None = None
+    """Where the costs were measured (``"cuda:0"``, ``"cpu"``)."""
+    dtype: str | None = None
+    """The module's floating type (``"float32"``)."""
+    input_bytes: int | None = None
+    """Bytes of the step's inputs (resident, not part of the budget)."""
+    plain_peak_bytes: int | None = None
+    """Measured peak of one plain step (None in safe mode)."""
+    step_seconds: float | None = None
+    """Median plain step (in safe mode the sum of the vertex times)."""
+    batch_dependent: dict[str, bool] | None = None
+    """``{id: bool}`` whether a vertex's costs scale with the batch size (None: all do)."""
+    saved_refs: dict[str, list[str]] | None = None
+    """``{id: [ids]}`` the vertex outputs whose storage the op saves for backward."""
+    saved_input_bytes: dict[str, int] | None = None
+    """``{id: bytes}`` of the step's inputs the op saves."""
+    aliases: dict[str, str] | None = None
+    """``{id: base_id}`` whose storage a view or in-place output shares (None: unknown)."""
+    requires_grad: dict[str, bool] | None = None
+    """``{id: bool}`` whether autograd records the vertex's output."""
+    resident_views: list[str] | None = None
+    """Ids whose output is a view of an input, parameter or buffer."""
+    safe: bool | None = None
+    """Whether the memory-safe mode measured the costs."""
+    # ---- added by the planner ----------------------------------------------------------------
+    bandwidth_bytes_per_s: float | None = None
+    """Host-device bandwidth, the offloading solvers' beta."""
+    # ---- anything else -----------------------------------------------------------------------
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Other keys of the JSON form, kept as they are (``model``, ``costs``, ...)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"GraphMeta.extra must be a dict, got {self.extra!r:.80}")
+        clash = sorted(set(self.extra) & set(_META_CHECKS))
+        if clash:
+            raise ValueError(f"meta keys {clash} are fields of GraphMeta, not extra keys")
+        for name, check in _META_CHECKS.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, check(repr(name), value))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GraphMeta:
+        """The meta of a graph's JSON form: known keys become fields (a null is absent),
+        the others go to ``extra``."""
+        if not isinstance(data, dict):
+            raise ValueError("'meta' must be an object")
+        known = {k: v for k, v in data.items() if k in _META_CHECKS}
+        extra = {k: v for k, v in data.items() if k not in _META_CHECKS}
+        return cls(**known, extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the fields that are set, in field order, then ``extra``."""
+        out = {name: getattr(self, name) for name in _META_CHECKS}
+        out = {k: v for k, v in out.items() if v is not None}
+        out.update(self.extra)
+        return out
+
+    def copy(self) -> GraphMeta:
+        """A copy whose fields and ``extra`` can be set without touching this one."""
+        return replace(self, extra=dict(self.extra))
+
+
+_META_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    f.name: _CHECK_BY_TYPE[str(f.type)] for f in fields(GraphMeta) if f.name != "extra"
+}
+"""Field name -> its check, in field order (a field with an unlisted type fails here)."""
+
+
 @dataclass
 class Graph:
-    """A DAG of forward tensors. ``nodes`` are kept in a topological order."""
+    """A DAG of forward tensors. ``nodes`` are kept in a topological order. ``meta`` may be
+    given as a plain dict (the JSON form's ``meta``); it is kept as a :class:`GraphMeta`."""
 
     nodes: list[Node]
     edges: list[tuple[str, str]]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: GraphMeta = field(default_factory=GraphMeta)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.meta, GraphMeta):
+            self.meta = GraphMeta.from_dict(self.meta)
         self.edges = [(str(u), str(v)) for u, v in self.edges]
         self._validate_and_order()
 
@@ -204,13 +394,13 @@ class Graph:
     # ---- transformations ----------------------------------------------------------------
     def scaled(self, batch_size: int) -> Graph:
         """The costs at another batch size: batch-dependent byte and time costs scale
-        linearly from the profiled size (``meta['batch_dependent']`` names the vertices
-        that do not depend on the batch; by default every vertex does)."""
-        base = self.meta.get("batch_size")
+        linearly from the profiled size (``meta.batch_dependent`` names the vertices that
+        do not depend on the batch; by default every vertex does)."""
+        base = self.meta.batch_size
         if not base:
-            raise ValueError("the graph has no meta['batch_size'] to scale from")
+            raise ValueError("the graph has no meta.batch_size to scale from")
         ratio = batch_size / base
-        dependent = self.meta.get("batch_dependent", {})
+        dependent = self.meta.batch_dependent or {}
 
         def scale(node: Node) -> Node:
             if not dependent.get(node.id, True):
@@ -219,9 +409,10 @@ class Graph:
             changes.update({k: getattr(node, k) * ratio for k in _TIME_KEYS})
             return replace(node, **changes)
 
-        meta = dict(self.meta, batch_size=batch_size)
-        if "input_bytes" in meta:
-            meta["input_bytes"] = int(round(meta["input_bytes"] * ratio))
+        meta = self.meta.copy()
+        meta.batch_size = batch_size
+        if meta.input_bytes is not None:
+            meta.input_bytes = int(round(meta.input_bytes * ratio))
         return Graph([scale(n) for n in self.nodes], list(self.edges), meta)
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -229,7 +420,7 @@ class Graph:
         return {
             "nodes": [n.to_dict() for n in self.nodes],
             "edges": [list(e) for e in self.edges],
-            "meta": self.meta,
+            "meta": self.meta.to_dict(),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -255,9 +446,7 @@ class Graph:
             if not (isinstance(e, (list, tuple)) and len(e) == 2):
                 raise ValueError(f"edge {e!r} is not a [from_id, to_id] pair")
             edges.append((e[0], e[1]))
-        meta = data.get("meta", {})
-        if not isinstance(meta, dict):
-            raise ValueError("'meta' must be an object")
+        meta = GraphMeta.from_dict(data.get("meta", {}))
         nodes = [_check_node(raw, i) for i, raw in enumerate(data["nodes"])]
         return cls(nodes, edges, meta)
 
@@ -280,7 +469,7 @@ class Graph:
         t_fwd: Iterable[float] | None = None,
         t_bwd: Iterable[float] | None = None,
         saved: Iterable[int] | None = None,
-        meta: dict[str, Any] | None = None,
+        meta: GraphMeta | dict[str, Any] | None = None,
     ) -> Graph:
         """A linear graph v0 -> v1 -> ... with the given costs (tests and benchmarks).
         ``saved`` defaults to ``mem`` (each op keeps its output) and ``t_bwd`` to twice
@@ -296,7 +485,11 @@ class Graph:
             for i in range(n)
         ]
         edges = [(f"v{i}", f"v{i + 1}") for i in range(n - 1)]
-        return cls(nodes, edges, dict(meta or {}))
+        if meta is None:
+            meta = GraphMeta()
+        elif isinstance(meta, GraphMeta):
+            meta = meta.copy()
+        return cls(nodes, edges, meta)
 
 
 def node_fields() -> list[str]:

@@ -1,4 +1,4 @@
-"""Measure every vertex's costs on the module's own device (DESIGN.md sections 3 and 6).
+"""Measure every vertex's costs on the module's own device (docs/design.md sections 3 and 6).
 
 ``profile_module`` runs real training steps (forward, loss, backward) node by node through a
 ``torch.fx.Interpreter`` and fills, for each vertex of the traced graph:
@@ -13,7 +13,7 @@
   (``perf_counter`` on CPU, CUDA events on GPU);
 - ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
   and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
-  the allocator's peak counter, on CPU the resident high-water mark of DESIGN.md section 6
+  the allocator's peak counter, on CPU the resident high-water mark of docs/design.md section 6
   (temporaries under 64 KiB are not seen; 0 where /proc is missing).
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
@@ -24,6 +24,9 @@ inputs, forward and backward, then dropped. It gives the same ``mem`` and ``save
 Profiling does not change training: buffers (BatchNorm running statistics), training flags,
 the RNG state and existing ``.grad`` tensors are restored afterwards; parameters are only read
 (no optimizer step runs).
+
+Length: the normal and the memory-safe mode measure with the same interpreter, clocks,
+workspace readings and backward hooks, so both stay in one module.
 """
 
 from __future__ import annotations
@@ -258,7 +261,7 @@ class _BackwardTimer:
 
 
 class _Profiler(fx.Interpreter):
-    """Runs the traced forward node by node, measuring each compute node (DESIGN.md sec. 3).
+    """Runs the traced forward node by node, measuring each compute node (docs/design.md section 3).
 
     ``safe=False``: one real step; ``run`` returns the output for the loss.
     ``safe=True``: the forward runs under ``no_grad``; each compute node is first measured
@@ -492,7 +495,7 @@ def _batch_dependence(traced: Traced, module: nn.Module, inputs: tuple[Any, ...]
     another batch size. Structural fallback (does the vertex depend on an input?) when that
     forward fails or there is no batch dimension."""
     graph = traced.graph
-    reach = set(graph.meta.get("input_consumers", []))
+    reach = set(graph.meta.input_consumers or [])
     for vid in graph.ids:
         if any(p in reach for p in graph.predecessors(vid)):
             reach.add(vid)
@@ -530,15 +533,13 @@ def profile_module(
 
     ``example_inputs``: a tensor or a tuple of positional inputs, on the module's device.
     ``loss_fn(outputs) -> scalar``: defaults to the sum of every floating output.
-    Returns the :class:`Graph` with measured costs and the meta keys listed in
-    :mod:`lightning_remat.graph.ir`, plus ``saved_input_bytes`` ({id: bytes of the step's
-    inputs the op saves; they are resident anyway}), ``aliases`` ({id: id of the earlier
-    vertex whose storage this output shares: views and in-place ops}), ``resident_views``
-    ([ids whose output is a view of an input, parameter or buffer: no new memory]),
-    ``requires_grad`` ({id: whether autograd records the output}), ``plain_peak_bytes``
-    (peak of one plain step measured with :func:`~lightning_remat.meter.peak_bytes`,
-    from a state without gradients; absent in safe mode), ``step_seconds`` (median plain
-    step; in safe mode the sum of the vertex times) and ``safe``.
+    Returns the :class:`Graph` with measured costs. Its meta
+    (:class:`~lightning_remat.graph.ir.GraphMeta`, whose fields :mod:`lightning_remat.graph.ir`
+    documents) keeps the tracer's fields and sets ``batch_size``, ``device``, ``dtype``,
+    ``input_bytes``, ``plain_peak_bytes`` (measured with
+    :func:`~lightning_remat.meter.peak_bytes`; None in safe mode), ``step_seconds``,
+    ``batch_dependent``, ``saved_refs``, ``saved_input_bytes``, ``aliases``,
+    ``requires_grad``, ``resident_views`` and ``safe``.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
@@ -548,7 +549,7 @@ def profile_module(
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if device.type == "cpu":
         # The CPU meter needs every large buffer in its own mapping from the first
-        # allocation on, or freed heap memory is reused unseen (DESIGN.md section 6).
+        # allocation on, or freed heap memory is reused unseen (docs/design.md section 6).
         set_mmap_threshold()
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
@@ -558,13 +559,11 @@ def profile_module(
     excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
     args = traced.call_args(inputs, kwargs)
 
-    meta: dict[str, Any] = dict(traced.graph.meta)
-    meta.update(
-        batch_size=batch,
-        device=str(device),
-        dtype=_dtype_of(module, inputs),
-        input_bytes=_output_bytes(input_tensors),
-    )
+    meta = traced.graph.meta.copy()
+    meta.batch_size = batch
+    meta.device = str(device)
+    meta.dtype = _dtype_of(module, inputs)
+    meta.input_bytes = _output_bytes(input_tensors)
     # CUDA events and peak counters work on the current device: make it the module's.
     on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
     with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
@@ -572,8 +571,8 @@ def profile_module(
         records: list[_Record] = []
         if not safe:
             try:
-                meta.update(_plain_steps(module, inputs, kwargs, loss_fn, device, grad_holders,
-                                         warmup, repeats))
+                meta.plain_peak_bytes, meta.step_seconds = _plain_steps(
+                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup, repeats)
                 records = _profile_steps(traced, args, loss_fn, device, excluded, grad_holders,
                                          warmup, repeats)
             except Exception as exc:
@@ -589,13 +588,13 @@ def profile_module(
                           UserWarning, stacklevel=2)
             safe = True
         if safe:
-            meta.pop("plain_peak_bytes", None)
-            meta.pop("step_seconds", None)
+            meta.plain_peak_bytes = None
+            meta.step_seconds = None
             records = _profile_safe(traced, args, device, excluded, grad_holders, warmup, repeats)
         _clear_grads(grad_holders)
         first = records[0]
-        meta["batch_dependent"] = _batch_dependence(traced, module, inputs, kwargs, batch,
-                                                    first.numel, device)
+        meta.batch_dependent = _batch_dependence(traced, module, inputs, kwargs, batch,
+                                                 first.numel, device)
 
     nodes = []
     for node in traced.graph.nodes:
@@ -609,14 +608,14 @@ def profile_module(
             ws_fwd=max(r.ws_fwd.get(vid, 0) for r in records),
             ws_bwd=max(r.ws_bwd.get(vid, 0) for r in records),
         ))
-    meta["saved_refs"] = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
-    meta["saved_input_bytes"] = {vid: b for vid, b in first.saved_input.items() if b}
-    meta["aliases"] = dict(first.aliases)
-    meta["requires_grad"] = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
-    meta["resident_views"] = [vid for vid in traced.graph.ids if vid in first.resident_views]
-    meta["safe"] = safe
+    meta.saved_refs = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
+    meta.saved_input_bytes = {vid: b for vid, b in first.saved_input.items() if b}
+    meta.aliases = dict(first.aliases)
+    meta.requires_grad = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
+    meta.resident_views = [vid for vid in traced.graph.ids if vid in first.resident_views]
+    meta.safe = safe
     if safe:
-        meta["step_seconds"] = sum(n.t_fwd + n.t_bwd for n in nodes)
+        meta.step_seconds = sum(n.t_fwd + n.t_bwd for n in nodes)
     return Graph(nodes, list(traced.graph.edges), meta)
 
 
@@ -633,8 +632,9 @@ def _backward(loss: torch.Tensor) -> None:
 
 def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
                  device: torch.device, grad_holders: list[torch.Tensor], warmup: int,
-                 repeats: int) -> dict[str, Any]:
-    """Plain forward+backward steps: warm-up, the measured peak, and the median step time."""
+                 repeats: int) -> tuple[int, float]:
+    """Plain forward+backward steps after the warm-up: the measured peak and the median
+    step time (``meta.plain_peak_bytes``, ``meta.step_seconds``)."""
     clock = _Clock(device)
 
     def step() -> None:
@@ -653,7 +653,7 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
         clock.sync()
         seconds.append(time.perf_counter() - start)
         _clear_grads(grad_holders)
-    return {"plain_peak_bytes": int(peak), "step_seconds": statistics.median(seconds)}
+    return int(peak), statistics.median(seconds)
 
 
 def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: torch.device,

@@ -1,4 +1,4 @@
-"""Capture a module's forward as a graph of tensor-producing vertices (DESIGN.md section 2).
+"""Capture a module's forward as a graph of tensor-producing vertices (docs/design.md section 2).
 
 ``trace_module`` runs ``torch.fx.symbolic_trace`` with the default leaf policy (standard
 ``torch.nn`` layers stay one call; functional ops and tensor methods such as ``add``, ``cat``,
@@ -16,7 +16,7 @@ Which fx nodes are vertices is found by running the traced module once on the ex
   values (``x.size(0)``) are not vertices; edges pass through them, so ``x.size()`` followed
   by ``view`` still gives the edge from the producer of ``x`` to ``view``. An edge through
   which only such non-tensor values flow (``h.view(h.size(0), -1)`` reads ``x`` only for its
-  size when ``x`` is another tensor) is listed in ``meta['shape_edges']``: the consumer
+  size when ``x`` is another tensor) is listed in ``meta.shape_edges``: the consumer
   does not need the tensor itself alive.
 
 Meta: ``input_consumers``, ``outputs``, ``param_bytes`` (see :mod:`lightning_remat.graph.ir`)
@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError
-from lightning_remat.graph.ir import Graph, Node
+from lightning_remat.graph.ir import Graph, GraphMeta, Node
 
 __all__ = ["Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "trace_module"]
 
@@ -323,8 +323,8 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
                     add_params(charge[n.name], iter([value]))
 
     graph_nodes = [Node(id=n.name, op=_op_name(gm, n)) for n in nodes if n.name in vertex]
-    meta = {"input_consumers": input_consumers, "outputs": outputs, "param_bytes": param_bytes,
-            "shape_edges": shape_edges}
+    meta = GraphMeta(input_consumers=input_consumers, outputs=outputs, param_bytes=param_bytes,
+                     shape_edges=shape_edges)
     return Graph(graph_nodes, edges, meta), charge
 
 
@@ -428,8 +428,8 @@ def _trace_chain(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
                 total += p.numel() * p.element_size()
         if total:
             param_bytes[name] = total
-    meta = {"input_consumers": [children[0][0]], "outputs": [children[-1][0]],
-            "param_bytes": param_bytes, "shape_edges": []}
+    meta = GraphMeta(input_consumers=[children[0][0]], outputs=[children[-1][0]],
+                     param_bytes=param_bytes, shape_edges=[])
     return Traced(gm=None, graph=Graph(nodes, edges, meta), kind="chain", children=children,
                   charge=charge, _runner=runner)
 

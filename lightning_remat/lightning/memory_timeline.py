@@ -107,7 +107,7 @@ class MemoryTimelineLogger(pl.Callback):
             if entry.budget_bytes:
                 writer.add_scalar(f"{TAG}/budget_bytes", entry.budget_bytes, step)
             writer.add_scalar(f"{TAG}/predicted_peak_bytes", entry.plan.predicted_peak_bytes, step)
-            plain_step = entry.graph.meta.get("step_seconds")
+            plain_step = entry.graph.meta.step_seconds
             if plain_step:
                 writer.add_scalar(f"{TAG}/extra_time_ratio", seconds / plain_step, step)
 
@@ -135,7 +135,7 @@ class MemoryTimelineLogger(pl.Callback):
                                                    markdown=True), step)
         measured_peak = max(measured) if measured else -1
         writer.add_hparams(
-            {"batch_size": int(entry.graph.meta.get("batch_size") or 0),
+            {"batch_size": int(entry.graph.meta.batch_size or 0),
              "budget_bytes": int(entry.budget_bytes or 0), "solver": entry.plan.solver},
             {"hparam/predicted_peak_bytes": entry.plan.predicted_peak_bytes,
              "hparam/measured_peak_bytes": measured_peak},

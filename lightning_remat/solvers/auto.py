@@ -1,4 +1,4 @@
-"""``solver="auto"`` (DESIGN.md 4.6): Kusumoto's recommended order, then offloading.
+"""``solver="auto"`` (docs/design.md section 4.6): Kusumoto's recommended order, then offloading.
 
 1. approximate DP, time-centric (least extra time within the budget);
 2. if its plan does not fit: approximate DP, memory-centric at the budget, and then the
@@ -109,7 +109,7 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
         notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
     else:
         try:
-            # Beaumont et al. on the stage chain of the memory-centric plan (DESIGN.md 4.6).
+            # Beaumont et al. on the stage chain of the memory-centric plan (docs/design.md section 4.6).
             offload_options = {"stages": [st.nodes for st in mc.stages],
                                **dict(options.get("offload_options", {}))}
             offloaded = solve_dynprog(graph, budget, **offload_options)
@@ -150,7 +150,7 @@ def _calibrated_tc(graph: Graph, budget: int, kusumoto_options: dict[str, Any],
                    steps: int = 10) -> Plan:
     """The time-centric DP with its budget calibrated against the simulator.
 
-    The DP's peak formula (DESIGN.md 4.4) has no liveness (it over-states the peak) and no
+    The DP's peak formula (docs/design.md section 4.4) has no liveness (it over-states the peak) and no
     parameter gradients (it under-states it). So the budget handed to the DP is bisected
     for the largest one whose plan's simulated peak still fits ``budget``: downward when the
     plan at ``budget`` does not fit, upward when it does and more room would let the DP

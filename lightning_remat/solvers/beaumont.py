@@ -1,6 +1,10 @@
 """Offloading activations to host memory: Beaumont, Eyraud-Dubois and Shilova, "Optimal GPU-CPU
 Offloading Strategies for Deep Neural Network Training" (Euro-Par 2020;
-``papers/beaumont-offloading.txt``, DESIGN.md section 4.5).
+docs/design.md section 4.5).
+
+Length: the lower bound, GREEDY, DYNPROG and the vDNN baseline all read the same chain model
+and are all scored by the same no-wait schedule simulator, so the paper's section 5 stays in
+one module.
 
 The model (paper section 3.1): a chain of forward ops ``F_0 .. F_{n-1}`` and backward ops
 ``B_{n-1} .. B_0``. ``F_i`` reads activation ``x_i`` and produces ``x_{i+1}``; ``B_i`` reads
@@ -125,11 +129,11 @@ def articulation_stages(graph: Graph) -> list[list[str]]:
 
 def _stored_bytes_by_stage(graph: Graph, stages: list[list[str]]) -> tuple[list[float], set[str]]:
     """Bytes each stage keeps for the backward, each storage counted once and charged to the
-    stage that produced it (``meta['saved_refs']`` when present, else each node's
+    stage that produced it (``meta.saved_refs`` when present, else each node's
     ``saved``), and the ids whose values are kept."""
     stage_of = {nid: k for k, stage in enumerate(stages) for nid in stage}
     stored = [0.0] * len(stages)
-    saved_refs = graph.meta.get("saved_refs")
+    saved_refs = graph.meta.saved_refs
     kept_values: set[str] = set()
     if saved_refs is None:
         for nid in graph.ids:
@@ -156,7 +160,7 @@ def chain_from_graph(
 
     ``stages``: the stage cut of a plan (``Stage`` objects or lists of ids, in forward order);
     by default the graph's articulation chain (:func:`articulation_stages`).
-    ``bandwidth``: bytes per second; by default ``graph.meta['bandwidth_bytes_per_s']``.
+    ``bandwidth``: bytes per second; by default ``graph.meta.bandwidth_bytes_per_s``.
 
     Op ``i`` is stage ``i``: ``u_F``/``u_B`` are the sums of its vertices' times; ``x_{i+1}``
     is what stage ``i`` keeps for the backward (so offloading ``x_{i+1}`` is offloading stage
@@ -167,11 +171,11 @@ def chain_from_graph(
     (upper bounds: the chain never under-counts the graph's transient memory).
     """
     if bandwidth is None:
-        bandwidth = graph.meta.get("bandwidth_bytes_per_s")
+        bandwidth = graph.meta.bandwidth_bytes_per_s
         if bandwidth is None:
             raise ValueError(
                 "the offloading solvers need the host-device bandwidth: set "
-                "graph.meta['bandwidth_bytes_per_s'] (measured once per device) or pass "
+                "graph.meta.bandwidth_bytes_per_s (measured once per device) or pass "
                 "bandwidth=<bytes per second>"
             )
     bandwidth = float(bandwidth)
@@ -316,148 +320,190 @@ def simulate_schedule(
     an op starts as soon as its predecessor is done, its inputs are on the device and its
     memory fits (waiting for offloads to release memory when needed).
     """
-    amounts = _amounts_of(chain, offload, amounts)
-    n, x, y, M, beta = chain.n, chain.x, chain.y, chain.M_GPU, chain.beta
-    tol = _REL_EPS * max(M if math.isfinite(M) else 0.0, sum(x), 1.0)
-    kept_prefix = [0.0]
-    for i in range(n + 1):
-        kept_prefix.append(kept_prefix[-1] + x[i] - amounts[i])
+    return _NoWaitSchedule(chain, _amounts_of(chain, offload, amounts), fractional).run()
 
-    # An op's memory with, of the offloaded data, only its own inputs/outputs resident.
-    def base_F(i: int) -> float:
-        return kept_prefix[i + 2] + amounts[i] + amounts[i + 1] + chain.ex_F[i]
 
-    def base_B(i: int) -> float:
-        return (kept_prefix[i + 2] + amounts[i] + amounts[i + 1] + chain.ex_B[i] + y[i]
+class _NoWaitSchedule:
+    """:func:`simulate_schedule` step by step: every op alone with the rest offloaded, the
+    forward with its offloads, the backward with its prefetches, then the peak. A step that
+    finds the schedule infeasible returns why (None when it is not).
+
+    Phases ``0 .. n-1`` are ``F_0 .. F_{n-1}``; phase ``n + k`` is ``B_{n-1-k}``."""
+
+    def __init__(self, chain: Chain, amounts: list[float], fractional: bool) -> None:
+        self.chain = chain
+        self.amounts = amounts
+        self.fractional = fractional
+        M = chain.M_GPU
+        self.tol = _REL_EPS * max(M if math.isfinite(M) else 0.0, sum(chain.x), 1.0)
+        self.kept_prefix = [0.0]
+        for i in range(chain.n + 1):
+            self.kept_prefix.append(self.kept_prefix[-1] + chain.x[i] - amounts[i])
+        self.items: list[tuple[int, float, float, float]] = []  # offloads (i, start, end, bytes)
+        self.transfers: list[tuple[str, int, float, float]] = []
+        self.op_start: dict[str, float] = {}
+        self.link_free = 0.0
+        self.offload_end = 0.0  # when the last offload ends
+        self.t = 0.0  # when the last op scheduled ends
+        self.phase_end: list[float] = []
+        self.prefetch_start: dict[int, float] = {}
+        self.prefetch_end: dict[int, float] = {}
+        self.prefetch_phase: dict[int, int] = {}  # the first phase that runs with x_j reserved
+
+    def run(self) -> Schedule:
+        reason = self._check_ops_alone() or self._forward() or self._backward()
+        if reason:
+            return _infeasible(self.amounts, reason)
+        n = self.chain.n
+        starts = ([self.op_start[f"F{i}"] for i in range(n)]
+                  + [self.op_start[f"B{i}"] for i in range(n - 1, -1, -1)])
+        peak = max(self._device_bytes(k, s) for k, s in enumerate(starts))
+        return Schedule(self.amounts, True, self.t, self.t - self.chain.compute_time, peak, "",
+                        self.op_start, self.transfers)
+
+    # ---- each op with, of the offloaded data, only its own inputs/outputs resident ----------
+    def _base_F(self, i: int) -> float:
+        amounts = self.amounts
+        return self.kept_prefix[i + 2] + amounts[i] + amounts[i + 1] + self.chain.ex_F[i]
+
+    def _base_B(self, i: int) -> float:
+        amounts, y = self.amounts, self.chain.y
+        return (self.kept_prefix[i + 2] + amounts[i] + amounts[i + 1] + self.chain.ex_B[i] + y[i]
                 + y[i + 1])
 
-    for i in range(n):
-        for name, need in ((f"F_{i}", base_F(i)), (f"B_{i}", base_B(i))):
-            if need > M + tol:
-                return _infeasible(amounts, f"{name} needs {format_bytes(need)} with everything "
-                                            f"else offloaded (M_GPU {format_bytes(M)})")
+    def _check_ops_alone(self) -> str | None:
+        M = self.chain.M_GPU
+        for i in range(self.chain.n):
+            for name, need in ((f"F_{i}", self._base_F(i)), (f"B_{i}", self._base_B(i))):
+                if need > M + self.tol:
+                    return (f"{name} needs {format_bytes(need)} with everything else offloaded "
+                            f"(M_GPU {format_bytes(M)})")
+        return None
 
-    # ---- forward ------------------------------------------------------------------------
-    items: list[tuple[int, float, float, float]] = []  # offloads (i, start, end, bytes), in order
-    transfers: list[tuple[str, int, float, float]] = []
-    op_start: dict[str, float] = {}
-    link_free = 0.0
-
-    def released(upto: int, at: float) -> float:
+    # ---- offloads ----------------------------------------------------------------------------
+    def _released(self, upto: int, at: float) -> float:
         """Bytes of ``x_0 .. x_{upto-1}`` the offloads have released by time ``at``."""
         total = 0.0
-        for i, s, e, a in items:
+        for i, s, e, a in self.items:
             if i >= upto or s >= at:
                 break
             if at >= e:
                 total += a
-            elif fractional:
+            elif self.fractional:
                 total += a * (at - s) / (e - s)
         return total
 
-    def when_released(upto: int, need: float, after: float) -> float | None:
+    def _when_released(self, upto: int, need: float, after: float) -> float | None:
         """Earliest time >= ``after`` by which ``need`` bytes of ``x_<upto`` are released."""
-        if need <= tol:
+        if need <= self.tol:
             return after
         cum = 0.0
-        for i, s, e, a in items:
+        for i, s, e, a in self.items:
             if i >= upto:
                 break
-            if cum + a >= need - tol:
-                at = s + max(need - cum, 0.0) / beta if fractional else e
+            if cum + a >= need - self.tol:
+                at = s + max(need - cum, 0.0) / self.chain.beta if self.fractional else e
                 return max(at, after)
             cum += a
         return None
 
-    def offload(i: int, ready: float) -> None:
-        nonlocal link_free
-        if amounts[i] > 0:
-            start = max(ready, link_free)
-            items.append((i, start, start + amounts[i] / beta, amounts[i]))
-            transfers.append(("offload", i, start, start + amounts[i] / beta))
-            link_free = start + amounts[i] / beta
+    def _start_offload(self, i: int, ready: float) -> None:
+        amount = self.amounts[i]
+        if amount > 0:
+            start = max(ready, self.link_free)
+            end = start + amount / self.chain.beta
+            self.items.append((i, start, end, amount))
+            self.transfers.append(("offload", i, start, end))
+            self.link_free = end
 
-    offload(0, 0.0)
-    used = x[0]  # device bytes before offload releases
-    t = 0.0
-    phase_end: list[float] = []  # phases 0..n-1 are F_0..F_{n-1}, n+k is B_{n-1-k}
-    for i in range(n):
-        start = when_released(i, used + x[i + 1] + chain.ex_F[i] - M, t)
-        if start is None:
-            return _infeasible(amounts, f"F_{i} cannot fit: offloading x_<{i} frees too little")
-        op_start[f"F{i}"] = start
-        t = start + chain.u_F[i]
-        phase_end.append(t)
-        used += x[i + 1]
-        if i + 1 < n:
-            offload(i + 1, t)
-    offload_end = link_free
+    # ---- forward -----------------------------------------------------------------------------
+    def _forward(self) -> str | None:
+        chain, x = self.chain, self.chain.x
+        self._start_offload(0, 0.0)
+        used = x[0]  # device bytes before offload releases
+        for i in range(chain.n):
+            start = self._when_released(i, used + x[i + 1] + chain.ex_F[i] - chain.M_GPU, self.t)
+            if start is None:
+                return f"F_{i} cannot fit: offloading x_<{i} frees too little"
+            self.op_start[f"F{i}"] = start
+            self.t = start + chain.u_F[i]
+            self.phase_end.append(self.t)
+            used += x[i + 1]
+            if i + 1 < chain.n:
+                self._start_offload(i + 1, self.t)
+        self.offload_end = self.link_free
+        return None
 
-    # ---- backward -----------------------------------------------------------------------
-    pending = sorted((i for i in range(n) if amounts[i] > 0), reverse=True)
-    prefetch_start: dict[int, float] = {}
-    prefetch_end: dict[int, float] = {}
-    prefetch_phase: dict[int, int] = {}  # the first phase that runs with x_j reserved
+    # ---- backward ----------------------------------------------------------------------------
+    def _backward(self) -> str | None:
+        n = self.chain.n
+        pending = sorted((i for i in range(n) if self.amounts[i] > 0), reverse=True)
+        for i in range(n - 1, -1, -1):
+            phase = 2 * n - 1 - i
+            while pending and pending[0] >= i:
+                j = pending.pop(0)
+                if not self._schedule_prefetch(j, phase):
+                    return f"no room to prefetch x_{j} before B_{j}"
+            start = self._backward_start(i)
+            if start is None:
+                return f"B_{i} cannot fit while offloads are in flight"
+            self.op_start[f"B{i}"] = start
+            self.t = start + self.chain.u_B[i]
+            self.phase_end.append(self.t)
+        return None
 
-    def static_need(phase: int, resident: Iterable[int]) -> float:
+    def _backward_start(self, i: int) -> float | None:
+        """When ``B_i`` can start: after its predecessor and its inputs' prefetches, and
+        once the memory it needs is free."""
+        prefetched = (self.prefetch_end[m] for m in (i, i + 1) if m in self.prefetch_end)
+        start = max([self.t, *prefetched])
+        if start >= self.offload_end:
+            return start
+        # Offloads still in flight (eq. (9)'s case): B_i may wait for them to release.
+        chain, y = self.chain, self.chain.y
+        nominal = (self.kept_prefix[i + 2] + sum(self.amounts[: i + 2]) + y[i] + y[i + 1]
+                   + chain.ex_B[i])
+        return self._when_released(i + 2, nominal - chain.M_GPU, start)
+
+    def _static_need(self, phase: int, resident: Iterable[int]) -> float:
+        n = self.chain.n
         i = phase if phase < n else 2 * n - 1 - phase
-        base = base_F(i) if phase < n else base_B(i)
-        return base + sum(amounts[m] for m in resident if m < i)
+        base = self._base_F(i) if phase < n else self._base_B(i)
+        return base + sum(self.amounts[m] for m in resident if m < i)
 
-    def schedule_prefetch(j: int, consumer: int) -> bool:
+    def _schedule_prefetch(self, j: int, consumer: int) -> bool:
         """Start the prefetch of x_j at the first phase from which reserving it leaves room
         for every op up to its consumer ``B_j`` (phase ``consumer``)."""
-        nonlocal link_free
-        ready = max(link_free, offload_end)
-        first = next((k for k, end in enumerate(phase_end) if end > ready), len(phase_end))
-        resident = [*prefetch_start, j]
-        needs = [static_need(q, resident) for q in range(first, consumer + 1)]
+        ready = max(self.link_free, self.offload_end)
+        first = next((k for k, end in enumerate(self.phase_end) if end > ready),
+                     len(self.phase_end))
+        resident = [*self.prefetch_start, j]
+        needs = [self._static_need(q, resident) for q in range(first, consumer + 1)]
         for k in range(first, consumer + 1):
-            if max(needs[k - first:]) <= M + tol:
-                start = max(ready, phase_end[k - 1]) if k > first else ready
-                prefetch_start[j] = start
-                prefetch_phase[j] = k
-                prefetch_end[j] = start + amounts[j] / beta
-                transfers.append(("prefetch", j, start, prefetch_end[j]))
-                link_free = prefetch_end[j]
+            if max(needs[k - first:]) <= self.chain.M_GPU + self.tol:
+                start = max(ready, self.phase_end[k - 1]) if k > first else ready
+                end = start + self.amounts[j] / self.chain.beta
+                self.prefetch_start[j] = start
+                self.prefetch_phase[j] = k
+                self.prefetch_end[j] = end
+                self.transfers.append(("prefetch", j, start, end))
+                self.link_free = end
                 return True
         return False
 
-    for i in range(n - 1, -1, -1):
-        phase = 2 * n - 1 - i
-        while pending and pending[0] >= i:
-            j = pending.pop(0)
-            if not schedule_prefetch(j, phase):
-                return _infeasible(amounts, f"no room to prefetch x_{j} before B_{j}")
-        start = max([t, *(prefetch_end[m] for m in (i, i + 1) if m in prefetch_end)])
-        if start < offload_end:
-            # Offloads still in flight (eq. (9)'s case): B_i may wait for them to release.
-            nominal = kept_prefix[i + 2] + sum(amounts[: i + 2]) + y[i] + y[i + 1] + chain.ex_B[i]
-            at = when_released(i + 2, nominal - M, start)
-            if at is None:
-                return _infeasible(amounts, f"B_{i} cannot fit while offloads are in flight")
-            start = at
-        op_start[f"B{i}"] = start
-        t = start + chain.u_B[i]
-        phase_end.append(t)
-    makespan = t
-
     # ---- peak: device bytes at every op start, counting each prefetch from its phase on ----
-    def share(m: int, phase: int, at: float) -> float:
+    def _share(self, m: int, phase: int, at: float) -> float:
         """Bytes of offloaded x_m on the device during ``phase`` (started at ``at``)."""
-        if m in prefetch_phase and phase >= prefetch_phase[m]:
-            return amounts[m]
-        return amounts[m] - released(m + 1, at) + released(m, at)
+        if m in self.prefetch_phase and phase >= self.prefetch_phase[m]:
+            return self.amounts[m]
+        return self.amounts[m] - self._released(m + 1, at) + self._released(m, at)
 
-    def device_bytes(phase: int, at: float) -> float:
+    def _device_bytes(self, phase: int, at: float) -> float:
+        chain, amounts, n = self.chain, self.amounts, self.chain.n
         i = phase if phase < n else 2 * n - 1 - phase
-        data = kept_prefix[i + 2] + sum(share(m, phase, at) for m in range(i + 2) if amounts[m] > 0)
-        return data + (chain.ex_F[i] if phase < n else chain.ex_B[i] + y[i] + y[i + 1])
-
-    starts = [op_start[f"F{i}"] for i in range(n)] + [op_start[f"B{i}"] for i in range(n - 1, -1, -1)]
-    peak = max(device_bytes(k, s) for k, s in enumerate(starts))
-    return Schedule(amounts, True, makespan, makespan - chain.compute_time, peak, "",
-                    op_start, transfers)
+        data = self.kept_prefix[i + 2] + sum(
+            self._share(m, phase, at) for m in range(i + 2) if amounts[m] > 0)
+        return data + (chain.ex_F[i] if phase < n else chain.ex_B[i] + chain.y[i] + chain.y[i + 1])
 
 
 # =============================================================================================

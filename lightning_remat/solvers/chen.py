@@ -1,5 +1,5 @@
 """Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost": the baseline every
-other solver must beat (DESIGN.md 4.1). Reference only; no optimality is claimed.
+other solver must beat (docs/design.md section 4.1). Reference only; no optimality is claimed.
 
 - :func:`solve_chen_sqrt`: cut the topological order into about sqrt(n) segments of equal
   cost (section 4.1); store each segment's output, recompute the segment in the backward.

@@ -1,6 +1,11 @@
-"""Feng and Huang, re-forwarding: memory-optimal gradient checkpoints
-(``papers/feng-huang-reforwarding.txt``, "the paper"; ``papers/feng-huang-acg-supplement.txt``,
-"the supplement"; DESIGN.md section 4.2).
+"""Feng and Huang, re-forwarding: memory-optimal gradient checkpoints. "The paper": Feng &
+Huang, "Cutting Down Training Memory by Re-forwarding" (2018); "the supplement": the
+supplementary material of Feng & Huang, "Optimal Gradient Checkpoint Search for Arbitrary
+Computation Graphs" (CVPR 2021). See docs/design.md section 4.2.
+
+Length: the paper's algorithms build on each other (the linear solver of Algorithm 1 is run
+on every segment the division tree of Algorithms 2-4 yields, and Algorithm 5 combines them),
+so they are kept in one module, one function per algorithm.
 
 Objective (paper eq. 1): a set of stored vertices V_R is kept from the first forward; the
 vertices between stored ones are re-forwarded segment by segment during the backward. The

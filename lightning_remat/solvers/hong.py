@@ -1,5 +1,5 @@
 """Hong et al., "GPU Memory Usage Optimization for Backward Propagation in Deep Network
-Training" (``papers/hong-checkpoint-selection.txt``; DESIGN.md section 4.3).
+Training" (Hong, Tsai, Wang, Liu and Wu; docs/design.md section 4.3).
 
 Two memory-optimal checkpoint selections on a chain of data sizes ``d_0, ..., d_n``
 (``d_0`` is the step's input, ``d_n`` the output; both are always checkpoints, section 3.1):
@@ -38,7 +38,7 @@ Choices where the paper is ambiguous (each also said where it is implemented):
    needed (it is the only choice for ``i = n - 1``), so ``j <= n``.
 4. Algorithm 6 indexes ``d_1..d_n`` and returns ``M(1)``; here the chain is ``d_0..d_n``
    as in section 3 and the answer is ``M(0)`` (on a graph ``d_0`` is the step input, size 0,
-   since inputs are resident and not part of the budget, DESIGN.md section 6).
+   since inputs are resident and not part of the budget, docs/design.md section 6).
 5. Algorithm 6 claims O(1) updates of ``max_{i<=k<j} d_k`` while ``j`` moves down, which
    a running maximum cannot do (a maximum cannot be "un-extended"). Here the range maximum
    comes from a union-find over the prefix maxima of ``d_i, d_{i+1}, ...`` (the classic
@@ -309,7 +309,7 @@ def articulation_chain(graph: Graph) -> list[str]:
     """The vertices every path from the inputs to the outputs passes through, in
     topological order.
 
-    Paths start at the sources that read the step's inputs (``meta['input_consumers']``
+    Paths start at the sources that read the step's inputs (``meta.input_consumers``
     when it names sources; otherwise every source) and end at any sink. Vertices on no such
     path (a constant computed from nothing, say) cannot be cut vertices and do not break
     the chain. A vertex v on such paths is on all of them exactly when no edge of the
@@ -328,7 +328,7 @@ def articulation_chain(graph: Graph) -> list[str]:
         successors[u].append(w)
         has_predecessor[w] = True
     sources = [k for k in range(count) if not has_predecessor[k]]
-    consumers = {position[v] for v in graph.meta.get("input_consumers") or [] if v in position}
+    consumers = {position[v] for v in graph.meta.input_consumers or [] if v in position}
     starts = [k for k in sources if k in consumers] or sources
     sinks = [k for k in range(count) if not successors[k]]
 
@@ -380,7 +380,7 @@ def _solve_on_graph(
         return make_plan(graph, [], solver_name, budget_bytes,
                          notes=["empty graph: nothing to plan"])
     chain = articulation_chain(graph)
-    # d_0 is the step input: resident, outside the budget (DESIGN.md section 6), so size 0.
+    # d_0 is the step input: resident, outside the budget (docs/design.md section 6), so size 0.
     sizes = [0] + [graph[v].mem for v in chain]
     objective, checkpoints = select(sizes)
     checkpoint_ids = [chain[c - 1] for c in checkpoints[1:]]

@@ -1,8 +1,8 @@
 """Kusumoto et al. 2019, "A Graph Theoretic Framework of Recomputation Algorithms for
-Memory-Efficient Backpropagation" (``papers/kusumoto-graph-recomputation.txt``).
+Memory-Efficient Backpropagation" (Kusumoto, Inoue, Watanabe, Akiba and Koyama, NeurIPS 2019).
 
-The paper text lost its formulas; DESIGN.md section 4.4 restates them and this module follows
-that restatement exactly (paper equation numbers in brackets):
+docs/design.md section 4.4 states the paper's formulas in this package's notation, and this
+module follows that statement exactly (paper equation numbers in brackets):
 
 - a strategy is an increasing sequence of lower sets ``{} = L0 < L1 < ... < Lk = V``; stage
   ``i`` computes ``Vi = Li \\ L(i-1)``;
@@ -45,6 +45,10 @@ Implementation choices (why):
 - The plan's ``feasible`` is the DP's own verdict (its peak formula, eq. 2, against the
   budget), not the simulator's, because that is the model the DP optimises; the DP's peak and
   the simulator's peak both go into ``plan.notes``.
+
+Length: the exact and the approximate DP, time- and memory-centric, share the lower-set
+families, the stage costs, the DP over (L, t) and the plan construction: one module, one
+public function per variant.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   (Hong's observation 1: PyTorch releases ``d_i`` as soon as it is dead, not in batches).
   A forward value is referred to by each forward consumer that has not run yet, by the
   model output until the loss has read it, by every op that saved it for backward
-  (``meta['saved_refs']``) until that op's backward has run, and by every recomputed stage
+  (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
 - **Extra saved bytes.** What an op saves besides forward values (BatchNorm's statistics, a
@@ -23,10 +23,10 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Gradient pass-through.** Ops whose backward hands the incoming gradient on unchanged
   (``add``; views: ``view``, ``reshape``, ``flatten``, ...) allocate nothing: the
   predecessor's gradient aliases the vertex's gradient storage.
-- **Aliased outputs.** Views and in-place ops (``meta['aliases']``: ``{id: base_id}``, or
+- **Aliased outputs.** Views and in-place ops (``meta.aliases``: ``{id: base_id}``, or
   a view op by name) share the storage of their base: no allocation, and the storage lives
   as long as any of the aliases needs it.
-- **Parameter gradients** (``meta['param_bytes']``): on the first step they are allocated
+- **Parameter gradients** (``meta.param_bytes``): on the first step they are allocated
   by the backward of the op that owns the parameters and stay (they are part of the step's
   peak, unlike the parameters themselves).
 - **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only; a
@@ -48,7 +48,11 @@ Without the profiler's meta (hand-built graphs) ``saved`` is one extra block hel
 op's forward to its backward, and values are freed when forward-dead.
 
 What is counted is the step's memory above what is resident before it: inputs and
-parameters are not counted (DESIGN.md section 6). Runtime is O(n + e).
+parameters are not counted (docs/design.md section 6). Runtime is O(n + e).
+
+Length: the simulator is the one model of a step, and ``make_plan`` (every solver's way of
+turning stages into a scored Plan) is its only client in the solvers; keeping them together
+keeps that model in one place.
 """
 
 from __future__ import annotations
@@ -147,264 +151,330 @@ class _Storages:
 def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
     keep-everything plan when None): a forward, the loss, ``loss.backward()``."""
-    ids = graph.ids
-    timeline = Timeline()
-    if not ids:
-        return timeline
-    if plan is None:
-        stages: list[list[str]] = [ids]
-        actions = ["keep"]
-    else:
-        stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
-        actions = [s.action for s in plan.stages]
-    stage_of = {v: k for k, stage in enumerate(stages) for v in stage}
-    meta = graph.meta
-    saved_refs_meta = meta.get("saved_refs")
-    has_refs = saved_refs_meta is not None
-    param_bytes = {k: int(b) for k, b in (meta.get("param_bytes") or {}).items()}
-    outputs = [o for o in meta.get("outputs", [ids[-1]]) if o in graph]
-    output_set = set(outputs)
-    # The profiler names aliases itself (views and in-place results); op names are the
-    # fallback for graphs that lack the key.
-    alias_meta = meta.get("aliases")
-    guess_views = alias_meta is None and has_refs
-    alias_meta = alias_meta or {}
-    # Outputs that are views of the step's inputs or parameters allocate nothing.
-    resident_views = set(meta.get("resident_views") or ())
-    saved_input = meta.get("saved_input_bytes") or {}
+    if not graph.ids:
+        return Timeline()
+    return _StepSimulation(graph, plan).run()
 
-    node = {v: graph[v] for v in ids}
-    succ = {v: graph.successors(v) for v in ids}
-    pred = {v: graph.predecessors(v) for v in ids}
 
-    # The vertex whose storage each vertex's output lives in (itself unless a view or an
-    # in-place op); only with the profiler's meta, a hand-built graph's vertices own theirs.
-    base: dict[str, str] = {}
-    for v in ids:
-        target = alias_meta.get(v)
-        if target is None and guess_views and node[v].op in VIEW_OPS and len(pred[v]) == 1:
-            target = pred[v][0]
-        if target is not None and target in base:
-            base[v] = base[target]
+class _StepSimulation:
+    """One training step under a plan, op by op, as the module docstring describes: the
+    per-vertex data is read from the graph once, then the forward runs stage by stage, the
+    loss, and the backward stage by stage in reverse (a recomputed stage's forward, or an
+    offloaded stage's saved state, first).
+
+    Storage keys: ``("val", base)`` a forward value, ``("rval", base)`` its recomputed copy,
+    ``("restored", base)`` its copy back from the host, ``("extra", v)`` what v's op saves
+    besides values, ``("grad", v | n)`` a gradient, ``("param_grad", v)`` v's parameters'
+    gradients."""
+
+    def __init__(self, graph: Graph, plan: Plan | None) -> None:
+        ids = graph.ids
+        if plan is None:
+            self.stages: list[list[str]] = [ids]
+            self.actions = ["keep"]
         else:
-            base[v] = v
+            self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
+            self.actions = [s.action for s in plan.stages]
+        self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
+        self.node = {v: graph[v] for v in ids}
+        self.succ = {v: graph.successors(v) for v in ids}
+        self.pred = {v: graph.predecessors(v) for v in ids}
+        self._prepare_vertices(graph)
 
-    def refs_of(v: str) -> list[str]:
+        self.mem = _Storages()
+        self.timeline = Timeline()
+        # The storages v's saved state holds; the inputs a recomputed stage keeps; the
+        # vertices of an offloaded stage whose saved state left the device.
+        self.held: dict[str, list[object]] = {v: [] for v in ids}
+        self.closure: list[list[object]] = [[] for _ in self.stages]
+        self.offloaded: list[list[str]] = [[] for _ in self.stages]
+        self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
+        self.fresh = 0  # serial number of gradient storages
+
+    def run(self) -> Timeline:
+        for k in range(len(self.stages)):
+            self._forward_stage(k)
+        self._loss()
+        for k in range(len(self.stages) - 1, -1, -1):
+            if self.actions[k] == "recompute":
+                self._recompute_stage(k)
+            elif self.actions[k] == "offload":
+                self._restore_stage(k)
+            self._backward_stage(k)
+        return self.timeline
+
+    # ---- per-vertex data -------------------------------------------------------------------
+    def _prepare_vertices(self, graph: Graph) -> None:
+        """What the step needs to know of each vertex, from its costs and the graph's meta."""
+        ids, meta = graph.ids, graph.meta
+        self.param_bytes = {k: int(b) for k, b in (meta.param_bytes or {}).items()}
+        outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
+        self.outputs = [o for o in outputs if o in graph]
+        # The profiler names aliases itself (views and in-place results); op names are the
+        # fallback for graphs that lack them.
+        guess_views = meta.aliases is None and meta.saved_refs is not None
+        self.base = self._storage_bases(ids, meta.aliases or {}, guess_views)
+        self.requires = self._requires_grad(ids, meta.param_bytes is not None)
+        self.saved_refs = {v: self._refs_of(v, meta.saved_refs) if self.requires[v] else []
+                           for v in ids}
+        saved_input = meta.saved_input_bytes or {}
+        self.extra = {v: self._extra_saved(v, meta.saved_refs is not None, saved_input)
+                      for v in ids}
+        # Outputs that are views of the step's inputs or parameters allocate nothing.
+        resident_views = set(meta.resident_views or ())
+        self.size = {v: 0 if v in resident_views else self.node[v].mem for v in ids}
+        self.fwd_refs = self._forward_refs(ids)
+
+    def _storage_bases(self, ids: list[str], aliases: dict[str, str],
+                       guess_views: bool) -> dict[str, str]:
+        """The vertex whose storage each vertex's output lives in (itself unless a view or an
+        in-place op); only with the profiler's meta, a hand-built graph's vertices own theirs."""
+        base: dict[str, str] = {}
+        for v in ids:
+            target = aliases.get(v)
+            if (target is None and guess_views and self.node[v].op in VIEW_OPS
+                    and len(self.pred[v]) == 1):
+                target = self.pred[v][0]
+            base[v] = base[target] if target is not None and target in base else v
+        return base
+
+    def _requires_grad(self, ids: list[str], has_params: bool) -> dict[str, bool]:
+        """Which vertices autograd records: those with parameters and those computed from one
+        (the step's inputs need no gradient). Others save nothing and get no gradient. A
+        graph without ``param_bytes`` is taken to need gradients everywhere."""
+        if not has_params:
+            return dict.fromkeys(ids, True)
+        requires: dict[str, bool] = {}
+        for v in ids:
+            requires[v] = bool(self.param_bytes.get(v)) or any(requires[u] for u in self.pred[v])
+        return requires
+
+    def _refs_of(self, v: str, saved_refs: dict[str, list[str]] | None) -> list[str]:
         """Vertices whose storages v's op keeps for backward (each storage once)."""
-        if not has_refs:
+        if saved_refs is None:
             return []
         seen: dict[str, None] = {}
-        for r in saved_refs_meta.get(v, ()):
-            if r in base:
-                seen.setdefault(base[r])
+        for r in saved_refs.get(v, ()):
+            if r in self.base:
+                seen.setdefault(self.base[r])
         return list(seen)
 
-    # Which vertices autograd records: those with parameters and those computed from one
-    # (the step's inputs need no gradient). Others save nothing and get no gradient. A
-    # graph without ``param_bytes`` is taken to need gradients everywhere.
-    if "param_bytes" in meta:
-        requires = {}
-        for v in ids:
-            requires[v] = bool(param_bytes.get(v)) or any(requires[u] for u in pred[v])
-    else:
-        requires = dict.fromkeys(ids, True)
-
-    saved_refs = {v: refs_of(v) if requires[v] else [] for v in ids}
-
-    def extra_saved(v: str) -> int:
-        if not requires[v]:
+    def _extra_saved(self, v: str, has_refs: bool, saved_input: dict[str, int]) -> int:
+        """Bytes v's op saves besides forward values (all of ``saved`` without refs)."""
+        if not self.requires[v]:
             return 0
         if not has_refs:
-            return node[v].saved
+            return self.node[v].saved
         # Saved step inputs are resident before the step: not part of its memory.
-        referenced = sum(node[r].mem for r in saved_refs[v]) + int(saved_input.get(v, 0))
-        return max(node[v].saved - referenced, 0)
+        referenced = sum(self.node[r].mem for r in self.saved_refs[v]) + int(saved_input.get(v, 0))
+        return max(self.node[v].saved - referenced, 0)
 
-    extra = {v: extra_saved(v) for v in ids}
-    size = {v: 0 if v in resident_views else node[v].mem for v in ids}
+    def _forward_refs(self, ids: list[str]) -> dict[str, int]:
+        """A storage's forward owners: the consumers of every vertex living in it (each edge
+        one reference), and the loss for model outputs. Consumers inside the same storage (a
+        view of a view) do not count: they run in the middle of its life, not at its end."""
+        output_set = set(self.outputs)
+        fwd_refs = dict.fromkeys(ids, 0)
+        for v in ids:
+            b = self.base[v]
+            fwd_refs[b] += sum(1 for w in self.succ[v] if self.base[w] != b)
+            if v in output_set:
+                fwd_refs[b] += 1
+            if b != v:
+                # An alias holds its storage until its own op has run (and saved it if it does).
+                fwd_refs[b] += 1
+        return fwd_refs
 
-    # ---- reference counts of the forward values --------------------------------------------
-    # A storage's forward owners: the consumers of every vertex living in it (each edge one
-    # reference), and the loss for model outputs. Consumers inside the same storage (a view
-    # of a view) do not count: they run in the middle of its life, not at its end.
-    fwd_refs: dict[str, int] = dict.fromkeys(ids, 0)
-    for v in ids:
-        b = base[v]
-        fwd_refs[b] += sum(1 for w in succ[v] if base[w] != b)
-        if v in output_set:
-            fwd_refs[b] += 1
-        if b != v:
-            # An alias holds its storage until its own op has run (and saved it if it does).
-            fwd_refs[b] += 1
+    def _val(self, v: str) -> tuple[str, str]:
+        return ("val", self.base[v])
 
-    mem = _Storages()
-    events = timeline.events
-    held: dict[str, list[object]] = {v: [] for v in ids}  # storages v's saved state holds
-    closure: list[list[object]] = [[] for _ in stages]  # inputs a recomputed stage keeps
-    offloaded: list[list[str]] = [[] for _ in stages]  # holders whose saved state left
+    def _save_extra(self, v: str) -> None:
+        """Allocate what v's op saves besides forward values, held until its backward."""
+        if self.extra[v]:
+            self.mem.alloc(("extra", v), self.extra[v], 1)
+            self.held[v].append(("extra", v))
 
-    def val(v: str) -> tuple[str, str]:
-        return ("val", base[v])
+    def _save_for_backward(self, v: str, keys: list[object]) -> None:
+        """v's op saves its extra block and holds the storages ``keys`` until its backward."""
+        self._save_extra(v)
+        for key in keys:
+            self.mem.hold(key)
+            self.held[v].append(key)
 
-    # ---- forward ----------------------------------------------------------------------------
-    for k, stage in enumerate(stages):
-        action = actions[k]
+    # ---- forward and loss ------------------------------------------------------------------
+    def _forward_stage(self, k: int) -> None:
         in_closure: set[object] = set()
-        for v in stage:
-            n = node[v]
-            if base[v] == v:
-                mem.alloc(val(v), size[v], fwd_refs[v])
-            transient = n.ws_fwd
-            if action == "recompute":
-                # Checkpoint's pack hook drops what the op saves: its extra saved bytes
-                # exist only while the op runs, and it holds no forward values.
-                transient += extra[v]
-                for u in pred[v]:
-                    key = val(u)
-                    if stage_of[u] != k and key not in in_closure:
-                        in_closure.add(key)
-                        mem.hold(key)
-                        closure[k].append(key)
-            else:
-                if extra[v]:
-                    mem.alloc(("extra", v), extra[v], 1)
-                    held[v].append(("extra", v))
-                for r in saved_refs[v]:
-                    key = val(r)
-                    mem.hold(key)
-                    held[v].append(key)
-            peak = mem.live + transient
-            own = val(v)
-            for u in pred[v]:
-                if base[u] != base[v]:
-                    mem.release(val(u))
-            if base[v] != v:
-                mem.release(own)
-            mem.settle(own)
-            events.append(Event("forward", v, mem.live, peak, k))
-        if action == "offload":
+        for v in self.stages[k]:
+            self._forward_op(k, v, in_closure)
+        if self.actions[k] == "offload":
             # What the stage saved is copied to the host: the device references go.
-            for v in stage:
-                for key in held[v]:
-                    mem.release(key)
-                held[v] = []
-                offloaded[k].append(v)
+            for v in self.stages[k]:
+                for key in self.held[v]:
+                    self.mem.release(key)
+                self.held[v] = []
+                self.offloaded[k].append(v)
 
-    # ---- the loss: it drops its references to the outputs (the step's locals are gone
-    # when ``loss.backward()`` starts), then the outputs' gradients appear ------------------
-    for o in outputs:
-        mem.release(val(o))
-    grad_of: dict[str, object] = {}
-    for o in outputs:
-        if requires[o]:
-            grad_of[o] = ("grad", o)
-            mem.alloc(("grad", o), node[o].mem, 1)
-
-    # ---- backward ---------------------------------------------------------------------------
-    fresh = 0  # serial number of gradient storages
-    for k in range(len(stages) - 1, -1, -1):
-        stage = stages[k]
-        action = actions[k]
-        if action == "recompute":
-            # Non-reentrant checkpoint re-runs the stage's forward when its backward starts;
-            # values it does not save die as soon as the recomputation no longer reads them.
-            re_refs = {v: sum(1 for w in succ[v] if stage_of[w] == k and base[w] != base[v])
-                       for v in stage}
-            for v in stage:
-                if base[v] != v and stage_of[base[v]] == k:
-                    re_refs[base[v]] += re_refs[v] + 1
-            rkey = {v: (("rval", base[v]) if stage_of[base[v]] == k else val(v)) for v in stage}
-            for v in stage:
-                n = node[v]
-                if base[v] == v:
-                    mem.alloc(rkey[v], size[v], re_refs[v])
-                if extra[v]:
-                    mem.alloc(("extra", v), extra[v], 1)
-                    held[v].append(("extra", v))
-                for r in saved_refs[v]:
-                    key = rkey[r] if stage_of[r] == k else val(r)
+    def _forward_op(self, k: int, v: str, in_closure: set[object]) -> None:
+        mem, base = self.mem, self.base
+        if base[v] == v:
+            mem.alloc(self._val(v), self.size[v], self.fwd_refs[v])
+        transient = self.node[v].ws_fwd
+        if self.actions[k] == "recompute":
+            # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
+            # only while the op runs, and it holds no forward values.
+            transient += self.extra[v]
+            for u in self.pred[v]:
+                key = self._val(u)
+                if self.stage_of[u] != k and key not in in_closure:
+                    in_closure.add(key)
                     mem.hold(key)
-                    held[v].append(key)
-                peak = mem.live + n.ws_fwd
-                for u in pred[v]:
-                    if stage_of[base[u]] == k and base[u] != base[v]:
-                        mem.release(rkey[u])
-                if base[v] != v and stage_of[base[v]] == k:
-                    mem.release(rkey[v])
-                mem.settle(rkey[v])
-                events.append(Event("recompute", v, mem.live, peak, k))
-        elif action == "offload":
-            # The saved state comes back to the device as fresh copies (each storage once).
-            restored: dict[object, int] = {}
-            for v in offloaded[k]:
-                if extra[v]:
-                    mem.alloc(("extra", v), extra[v], 1)
-                    held[v].append(("extra", v))
-                for r in saved_refs[v]:
-                    key = ("restored", base[r])
-                    if key in restored:
-                        mem.hold(key)
-                    else:
-                        restored[key] = 1
-                        mem.alloc(key, size[r], 1)
-                    held[v].append(key)
-            if restored or offloaded[k]:
-                events.append(Event("restore", stage[-1], mem.live, mem.live, k))
+                    self.closure[k].append(key)
+        else:
+            self._save_for_backward(v, [self._val(r) for r in self.saved_refs[v]])
+        peak = mem.live + transient
+        own = self._val(v)
+        for u in self.pred[v]:
+            if base[u] != base[v]:
+                mem.release(self._val(u))
+        if base[v] != v:
+            mem.release(own)
+        mem.settle(own)
+        self.timeline.events.append(Event("forward", v, mem.live, peak, k))
 
-        for v in reversed(stage):
-            n = node[v]
-            my_grad = grad_of.pop(v, None)
-            transient = n.ws_bwd
-            if n.op in INTERNAL_GRADIENT_OPS:
-                transient = max(transient, extra[v])
-            peak_extra = 0
-            if my_grad is not None:
-                passthrough = n.op in GRAD_PASSTHROUGH_OPS
-                for u in pred[v]:
-                    if not requires[u]:
-                        continue
-                    if passthrough:
-                        incoming: object = my_grad
-                        mem.hold(incoming)
-                    else:
-                        fresh += 1
-                        incoming = ("grad", fresh)
-                        mem.alloc(incoming, node[u].mem, 1)
-                    old = grad_of.get(u)
-                    if old is None:
-                        grad_of[u] = incoming
-                    elif mem.refs[old] == 1 and incoming != old:
-                        # In-place accumulation into the sole owner; the incoming gradient
-                        # was live until the add (counted at this op's peak).
-                        peak_extra += mem.size[incoming] if mem.refs[incoming] == 1 else 0
-                        mem.release(incoming)
-                    else:
-                        # Shared buffer: old + new is a new buffer.
-                        fresh += 1
-                        summed = ("grad", fresh)
-                        mem.alloc(summed, node[u].mem, 1)
-                        peak_extra += mem.size[incoming] if mem.refs[incoming] == 1 else 0
-                        mem.release(old)
-                        mem.release(incoming)
-                        grad_of[u] = summed
-                pb = param_bytes.get(v, 0)
-                if pb:
-                    # The first step's parameter gradients: allocated here, kept.
-                    mem.alloc(("param_grad", v), pb, 1)
-            peak = mem.live + transient + peak_extra
-            if my_grad is not None:
-                mem.release(my_grad)
-            for key in held[v]:
-                mem.release(key)
-            held[v] = []
-            events.append(Event("backward", v, mem.live, peak, k))
-        if closure[k]:
+    def _loss(self) -> None:
+        """The loss drops its references to the outputs (the step's locals are gone when
+        ``loss.backward()`` starts), then the outputs' gradients appear."""
+        for o in self.outputs:
+            self.mem.release(self._val(o))
+        for o in self.outputs:
+            if self.requires[o]:
+                self.grad_of[o] = ("grad", o)
+                self.mem.alloc(("grad", o), self.node[o].mem, 1)
+
+    # ---- before a stage's backward ---------------------------------------------------------
+    def _recompute_stage(self, k: int) -> None:
+        """Non-reentrant checkpoint re-runs the stage's forward when its backward starts;
+        values it does not save die as soon as the recomputation no longer reads them."""
+        stage, base, stage_of = self.stages[k], self.base, self.stage_of
+        re_refs = {v: sum(1 for w in self.succ[v] if stage_of[w] == k and base[w] != base[v])
+                   for v in stage}
+        for v in stage:
+            if base[v] != v and stage_of[base[v]] == k:
+                re_refs[base[v]] += re_refs[v] + 1
+        rkey: dict[str, object] = {
+            v: (("rval", base[v]) if stage_of[base[v]] == k else self._val(v)) for v in stage
+        }
+        for v in stage:
+            self._recompute_op(k, v, rkey, re_refs)
+
+    def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
+                      re_refs: dict[str, int]) -> None:
+        mem, base, stage_of = self.mem, self.base, self.stage_of
+        if base[v] == v:
+            mem.alloc(rkey[v], self.size[v], re_refs[v])
+        self._save_for_backward(
+            v, [rkey[r] if stage_of[r] == k else self._val(r) for r in self.saved_refs[v]])
+        peak = mem.live + self.node[v].ws_fwd
+        for u in self.pred[v]:
+            if stage_of[base[u]] == k and base[u] != base[v]:
+                mem.release(rkey[u])
+        if base[v] != v and stage_of[base[v]] == k:
+            mem.release(rkey[v])
+        mem.settle(rkey[v])
+        self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
+
+    def _restore_stage(self, k: int) -> None:
+        """An offloaded stage's saved state comes back to the device as fresh copies (each
+        storage once)."""
+        restored: set[object] = set()
+        for v in self.offloaded[k]:
+            self._save_extra(v)
+            for r in self.saved_refs[v]:
+                key = ("restored", self.base[r])
+                if key in restored:
+                    self.mem.hold(key)
+                else:
+                    restored.add(key)
+                    self.mem.alloc(key, self.size[r], 1)
+                self.held[v].append(key)
+        if restored or self.offloaded[k]:
+            live = self.mem.live
+            self.timeline.events.append(Event("restore", self.stages[k][-1], live, live, k))
+
+    # ---- backward --------------------------------------------------------------------------
+    def _backward_stage(self, k: int) -> None:
+        for v in reversed(self.stages[k]):
+            self._backward_op(k, v)
+        if self.closure[k]:
             # The checkpointed stage's frame, and the inputs it kept, go with its last op.
-            for key in closure[k]:
-                mem.release(key)
-            closure[k] = []
-            events[-1].live_bytes = mem.live
-    return timeline
+            for key in self.closure[k]:
+                self.mem.release(key)
+            self.closure[k] = []
+            self.timeline.events[-1].live_bytes = self.mem.live
+
+    def _backward_op(self, k: int, v: str) -> None:
+        n, mem = self.node[v], self.mem
+        my_grad = self.grad_of.pop(v, None)
+        transient = n.ws_bwd
+        if n.op in INTERNAL_GRADIENT_OPS:
+            transient = max(transient, self.extra[v])
+        peak_extra = 0
+        if my_grad is not None:
+            peak_extra = self._pass_gradient(v, my_grad)
+            pb = self.param_bytes.get(v, 0)
+            if pb:
+                # The first step's parameter gradients: allocated here, kept.
+                mem.alloc(("param_grad", v), pb, 1)
+        peak = mem.live + transient + peak_extra
+        if my_grad is not None:
+            mem.release(my_grad)
+        for key in self.held[v]:
+            mem.release(key)
+        self.held[v] = []
+        self.timeline.events.append(Event("backward", v, mem.live, peak, k))
+
+    def _pass_gradient(self, v: str, my_grad: object) -> int:
+        """v's backward hands a gradient to each predecessor that needs one; returns the
+        bytes live only at this op's peak (fresh gradients added into an existing one)."""
+        passthrough = self.node[v].op in GRAD_PASSTHROUGH_OPS
+        peak_extra = 0
+        for u in self.pred[v]:
+            if not self.requires[u]:
+                continue
+            if passthrough:
+                incoming = my_grad
+                self.mem.hold(incoming)
+            else:
+                incoming = self._new_grad(self.node[u].mem)
+            peak_extra += self._accumulate(u, incoming)
+        return peak_extra
+
+    def _new_grad(self, nbytes: int) -> object:
+        self.fresh += 1
+        key = ("grad", self.fresh)
+        self.mem.alloc(key, nbytes, 1)
+        return key
+
+    def _accumulate(self, u: str, incoming: object) -> int:
+        """Add ``incoming`` into u's gradient; returns the bytes of ``incoming`` that were
+        live only until the add."""
+        old = self.grad_of.get(u)
+        if old is None:
+            self.grad_of[u] = incoming
+            return 0
+        mem = self.mem
+        if mem.refs[old] == 1 and incoming != old:
+            # In-place accumulation into the sole owner.
+            transient = mem.size[incoming] if mem.refs[incoming] == 1 else 0
+            mem.release(incoming)
+            return transient
+        # Shared buffer: old + new is a new buffer.
+        summed = self._new_grad(self.node[u].mem)
+        transient = mem.size[incoming] if mem.refs[incoming] == 1 else 0
+        mem.release(old)
+        mem.release(incoming)
+        self.grad_of[u] = summed
+        return transient
 
 
 # ---- plans scored by the simulator ------------------------------------------------------
