@@ -108,12 +108,33 @@ def plain_peak_bytes(graph: Graph) -> int:
     return int(measured) if measured else int(simulate(graph).peak_bytes)
 
 
+OFFLOADING_SOLVERS = frozenset({"greedy", "dynprog", "vdnn", "lower-bound"})
+"""Solvers whose plans move saved tensors to host memory."""
+
+
+def has_host_memory(device: torch.device) -> bool:
+    """Whether ``device`` has a memory apart from the host's, so offloading frees some."""
+    return torch.device(device).type == "cuda"
+
+
+def check_solver_for_device(solver: str, device: torch.device) -> None:
+    """Refuse an offloading solver where offloading frees nothing (the CPU: "offloaded"
+    bytes stay in the same RAM, and the copies only add time and memory)."""
+    if solver in OFFLOADING_SOLVERS and not has_host_memory(device):
+        raise ValueError(
+            f"solver={solver!r} offloads saved tensors to host memory, but the model is on "
+            f"{torch.device(device).type}, whose memory is the host's: offloading frees nothing "
+            "there. Choose a recomputation solver (auto, kusumoto-tc, kusumoto-mc, feng, "
+            "hong-linear, chen), or train on a CUDA device"
+        )
+
+
 def solver_options(solver: str, device: torch.device, offload: bool = True) -> dict[str, Any]:
     """Options of ``solver="auto"`` on a device: offloading only where a host memory apart
     from the device's exists (on the CPU, "offloaded" bytes stay in the same RAM)."""
     if solver != "auto":
         return {}
-    return {"allow_offload": offload and torch.device(device).type == "cuda"}
+    return {"allow_offload": offload and has_host_memory(device)}
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,7 @@ class Planner:
         """The plan of the latest training call."""
         self.busy = False
         """True while planning: a forward the strategy wraps must then run plainly."""
+        check_solver_for_device(self.settings.solver, module_device(module))
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
         try:

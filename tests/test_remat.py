@@ -332,3 +332,21 @@ def test_project_auto_solver_when_available() -> None:
     assert remat_model.plan.feasible
     batches = [((torch.randn(4, 3, 16, 16),), {}) for _ in range(2)]
     train_side_by_side(model, remat_model, plain, batches)
+
+
+@pytest.mark.parametrize("solver", ["dynprog", "greedy", "vdnn"])
+def test_offloading_on_the_cpu_is_refused_before_any_profiling(solver) -> None:
+    model = residual_cnn()
+    with pytest.raises(ValueError, match="offloading frees nothing"):
+        remat(model, torch.randn(2, 3, 8, 8), memory_budget="50%", solver=solver)
+
+
+def test_auto_on_the_cpu_notes_that_it_skipped_offloading(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = residual_cnn()
+    x = torch.randn(4, 3, 12, 12)
+    graph = remat(copy.deepcopy(model), x).graph
+    with pytest.raises(RematInfeasibleError):
+        remat(model, x, memory_budget=1, solver="auto")
+    plan = get_solver("auto")(graph, 1, **planner_module.solver_options("auto", torch.device("cpu")))
+    assert any("dynprog skipped" in note and "CPU" in note for note in plan.notes)

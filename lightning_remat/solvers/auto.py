@@ -106,7 +106,9 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
     notes.append(f"{', '.join(_MEMORY_OPTIMAL)} failed: their least-memory plans exceed the budget")
 
     if not options.get("allow_offload", True):
-        notes.append("dynprog skipped: offloading not allowed (allow_offload=False)")
+        notes.append("dynprog skipped: offloading is off (allow_offload=False; the planner turns "
+                     "it off on a device without memory of its own apart from the host's, such "
+                     "as the CPU, where offloading frees nothing)")
     else:
         try:
             # Beaumont et al. on the stage chain of the memory-centric plan (docs/design.md section 4.6).
