@@ -1,0 +1,212 @@
+"""What planning costs a user before training starts, in plain training steps.
+
+For each model, in one process: the median plain training step (forward, loss, backward,
+optimizer step) after a warm-up, then the wall time of
+
+- ``trace``: ``graph.trace.trace_module``;
+- ``profile``: ``graph.profile.profile_module`` as the planner runs it (its default warm-up
+  and repeats);
+- ``solve``: ``solvers.solve(graph, 75% of the plain peak, "auto")`` on that profile;
+- ``remat``: the whole ``lightning_remat.remat()`` call at 75% (trace, profile, solve, apply);
+
+each in seconds and in plain steps. With ``--search``, the batch-size search too: our
+``find_max_batch_size`` and Lightning's ``BatchSizeFinder(mode="binsearch")`` on the same
+model and the same memory cap (the plain step's measured peak at twice the base batch), with
+the trials each ran, the steps those trials took, the wall time in plain steps of the base
+batch, and the size each found. On the CPU nothing raises out-of-memory, so Lightning's
+finder is given one where a step's measured peak exceeds the cap, measured with the same
+meter as ours.
+
+Run: ``python benchmarks/planning.py [--models gpt unet] [--search]`` (the vision models
+need torchvision). Prints a table with the machine, torch version and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.run import SIZES, build  # noqa: E402
+
+MODELS = ["resnet50", "unet", "gpt"]
+
+
+def _plain_step_seconds(model: Any, x: Any, repeats: int = 5) -> float:
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up: kernels and the optimizer's state
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def planning_costs(name: str) -> dict[str, Any]:
+    """Seconds of each planning phase and of a plain step, for one model at its CPU size."""
+    import copy
+
+    import lightning_remat
+    from lightning_remat.graph.profile import profile_module
+    from lightning_remat.graph.trace import trace_module
+    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers import solve
+
+    batch, size = SIZES["cpu"][name]
+    model, x, _ = build(name, "cpu", batch, size)
+    row: dict[str, Any] = {"model": name, "batch": batch, "size": size}
+    row["plain_step"] = _plain_step_seconds(copy.deepcopy(model), x)
+    row["trace"], traced = _timed(lambda: trace_module(model, x))
+    row["profile"], graph = _timed(lambda: profile_module(model, x, traced=traced))
+    budget = int(0.75 * plain_peak_bytes(graph))
+    row["solve"], plan = _timed(lambda: solve(graph, budget, "auto"))
+    row["solver"] = plan.solver
+    row["remat"], _ = _timed(lambda: lightning_remat.remat(copy.deepcopy(model), x, memory_budget="75%"))
+    return row
+
+
+def batch_search_costs(name: str) -> dict[str, Any]:
+    """Our search and Lightning's binsearch on the same model and cap: trials, steps, time."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import BatchSizeFinder
+    from pytorch_lightning.tuner import batch_size_scaling
+
+    import lightning_remat
+    from lightning_remat.lightning.synthetic import SyntheticTask
+    from lightning_remat.meter import peak_bytes
+
+    batch, size = SIZES["cpu"][name]
+    model, x, _ = build(name, "cpu", batch, size)
+    sample_shape = tuple(x.shape[1:])
+    dtype = "long" if not x.is_floating_point() else "float"
+    vocab = int(x.max()) + 1 if dtype == "long" else 1000
+
+    def task(batch_size: int) -> SyntheticTask:
+        return SyntheticTask(build(name, "cpu", batch, size)[0], sample_shape, batch_size, dtype, vocab)
+
+    def trainer(root: Path, callbacks: list[Any] | None = None) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=str(root),
+                          logger=False, enable_checkpointing=False, enable_model_summary=False,
+                          enable_progress_bar=False, callbacks=callbacks or [])
+
+    big = task(2 * batch)
+    probe = big.train_dataloader()
+    xb = next(iter(probe))
+    cap = peak_bytes(lambda: big.training_step(xb, 0).backward())
+    row: dict[str, Any] = {"model": name, "cap_bytes": cap, "base_batch": batch}
+    row["plain_step"] = _plain_step_seconds(model, x)
+    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"lightning_remat_planning_{os.getpid()}"
+
+    started = time.perf_counter()
+    report = lightning_remat.find_max_batch_size(
+        trainer(root / "ours"), task(batch), memory_budget=cap, init_val=batch, steps_per_trial=1,
+        compare_plain=False, progress_bar=False, storage=None,
+    )
+    row["ours_seconds"] = time.perf_counter() - started
+    row["ours_trials"] = len(report.remat.trials)
+    row["ours_found"] = report.remat.largest_feasible
+
+    sizes_tried: list[int] = []
+
+    def measured_loop_run(trainer: pl.Trainer, params: Any) -> None:
+        module = trainer.lightning_module
+        sizes_tried.append(module.batch_size)
+        data = next(iter(module.train_dataloader()))
+        peak = peak_bytes(lambda: module.training_step(data, 0).backward())
+        module.zero_grad(set_to_none=True)
+        if peak > cap:
+            raise RuntimeError("CUDA out of memory. (the step's measured peak is over the cap)")
+
+    original = batch_size_scaling._try_loop_run
+    batch_size_scaling._try_loop_run = measured_loop_run
+    try:
+        finder = BatchSizeFinder(mode="binsearch", init_val=batch, steps_per_trial=1, margin=0.0)
+        finder._early_exit = True
+        started = time.perf_counter()
+        trainer(root / "lightning", [finder]).fit(task(batch))
+        row["lightning_seconds"] = time.perf_counter() - started
+    finally:
+        batch_size_scaling._try_loop_run = original
+    row["lightning_trials"] = len(sizes_tried)
+    row["lightning_found"] = finder.optimal_batch_size
+    del torch
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=MODELS)
+    parser.add_argument("--search", action="store_true", help="also time the batch-size search")
+    args = parser.parse_args(argv)
+    import torch
+
+    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; device: cpu")
+    print()
+    header = (f"{'model':10} {'batch':>5} {'plain step':>11} {'trace':>13} {'profile':>13}"
+              f" {'solve (auto)':>13} {'remat() 75%':>13}")
+    print(header)
+    print("-" * len(header))
+    for name in args.models:
+        try:
+            row = planning_costs(name)
+        except ImportError as exc:
+            print(f"{name:10} skipped: {exc}")
+            continue
+        step = row["plain_step"]
+
+        def cell(key: str, row: dict[str, Any] = row, step: float = step) -> str:
+            return f"{row[key]:6.2f}s {row[key] / step:4.1f}x"
+
+        print(f"{name:10} {row['batch']:>5} {step:10.3f}s {cell('trace'):>13} {cell('profile'):>13}"
+              f" {cell('solve'):>13} {cell('remat'):>13}")
+    print("(Nx: seconds over the median plain training step at the same batch)")
+    if args.search:
+        print()
+        header = (f"{'model':10} {'cap':>10} {'ours: trials':>12} {'found':>6} {'steps':>9}"
+                  f" {'lightning: trials':>18} {'found':>6} {'steps':>9}")
+        print(header)
+        print("-" * len(header))
+        for name in args.models:
+            try:
+                row = batch_search_costs(name)
+            except ImportError as exc:
+                print(f"{name:10} skipped: {exc}")
+                continue
+            step = row["plain_step"]
+            print(f"{name:10} {row['cap_bytes'] / 2**20:8.1f}Mi {row['ours_trials']:>12}"
+                  f" {row['ours_found']!s:>6} {row['ours_seconds'] / step:8.1f}x"
+                  f" {row['lightning_trials']:>18} {row['lightning_found']!s:>6}"
+                  f" {row['lightning_seconds'] / step:8.1f}x")
+        print("(steps: the search's wall time over the median plain step at the base batch)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
