@@ -334,7 +334,13 @@ def test_densenet_like_graph_divides_into_its_dense_blocks():
 def test_plan_stages_are_the_segments(graph):
     plan = solve_feng(graph, None)
     plan.validate(graph)
-    _, stored = solve_arbitrary(graph)
+    if graph.is_chain():  # the paper's linear form: s and t are the chain's ends
+        costs = [n.mem for n in graph.nodes]
+        value, indices = solve_linear(costs, pin_ends=True)
+        stored = [graph.ids[i] for i in indices]
+    else:
+        value, stored = solve_arbitrary(graph)
+        assert value == objective(graph, stored)
     assert plan.stored == stored
     assert plan.stages[-1].action == "keep"
     stored_set = set(stored)
@@ -348,7 +354,7 @@ def test_plan_stages_are_the_segments(graph):
             assert set(stage.nodes) - set(free) <= seg.targets
         else:
             assert len(stage.nodes) == 1 and stage.action == "keep"
-    assert any(f"objective (eq. 1): {objective(graph, stored)} bytes" in n for n in plan.notes)
+    assert any(f"objective (eq. 1): {value} bytes" in n for n in plan.notes)
 
 
 def test_plan_on_a_long_chain_cuts_the_peak():
@@ -378,3 +384,24 @@ def test_densenet_201_size_plan_is_valid_and_smaller():
     plan = solve_feng(graph)
     plan.validate(graph)
     assert plan.predicted_peak_bytes < plain_plan(graph).predicted_peak_bytes
+
+
+# ---- on a linear graph the paper's s and t are its first and last vertex -------------------
+
+
+def test_the_papers_example_on_a_chain_stores_an_optimal_set():
+    # Eq. 1 with s = v0 and t = v6 stored and counted: {v2, v5} would cost 33; the optimum is 32.
+    costs = [3, 4, 8, 8, 4, 1, 9]
+    plan = solve_feng(Graph.chain(costs), None)
+    stored = tuple(sorted(int(v[1:]) for v in plan.stored))
+    assert {0, len(costs) - 1} <= set(stored)
+    assert chain_objective(costs, stored, pin_ends=True) == brute_force_chain(costs, True) == 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=2, max_size=9))
+def test_feng_on_random_chains_is_optimal_for_eq_1(costs):
+    plan = solve_feng(Graph.chain(costs), None)
+    plan.validate(Graph.chain(costs))
+    stored = tuple(sorted(int(v[1:]) for v in plan.stored))
+    assert chain_objective(costs, stored, pin_ends=True) == brute_force_chain(costs, True)

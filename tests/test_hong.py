@@ -228,9 +228,11 @@ def test_residual_blocks_are_contracted_to_their_articulation_vertices():
         # Cuts only after articulation vertices; the stored set is the checkpoints.
         for stage in plan.stages[:-1]:
             assert stage.nodes[-1] in {"n0", "n3", "n5"}
-            assert stage.action == "recompute"
+            # A stage of checkpoints only has nothing to recompute.
+            assert stage.action == "recompute" or set(stage.nodes) <= set(plan.stored)
         assert plan.stages[-1].action == "keep"
-        assert set(plan.stored) <= {"n0", "n3", "n5", "n6"} and "n6" in plan.stored
+        assert set(plan.stored) <= {"n0", "n3", "n5", "n6"}
+        assert {"n0", "n6"} <= set(plan.stored)  # the chain's ends are d_0 and d_n
 
 
 def test_input_consumers_decide_where_paths_start():
@@ -251,12 +253,15 @@ def test_plans_on_random_dags_validate_and_report_their_objective(graph, name):
     plan = get_solver(name)(graph, None)
     plan.validate(graph)
     chain = articulation_chain(graph)
-    sizes = [0] + [graph[v].mem for v in chain]
+    if not chain:
+        assert len(plan.stages) == 1 and plan.stages[0].action == "keep"
+        return
+    sizes = [graph[v].mem for v in chain]
     select = dynamic_checkpoint_selection_linear if name == "hong-linear" else checkpoint_selection_cubic
     objective, checkpoints = select(sizes)
     assert f"= {objective} bytes" in " ".join(plan.notes)
-    assert plan.stored == [chain[c - 1] for c in checkpoints[1:]]
-    assert len(plan.stages) == max(len(checkpoints) - 1, 1)
+    assert plan.stored == [chain[c] for c in checkpoints]
+    assert len(plan.stages) == len(checkpoints)
 
 
 @pytest.mark.parametrize("name", ["hong-linear", "hong-cubic"])
@@ -290,3 +295,31 @@ def test_one_vertex_and_empty_graphs(name):
 def test_unknown_options_are_refused():
     with pytest.raises(ValueError, match="takes no options"):
         solve_hong_linear(Graph.chain([1, 2]), None, segments=3)
+
+
+# ---- the graph solvers hold the paper's objective on the graph's own chain -------------------
+
+
+def _graph_checkpoints(plan, n):
+    return sorted(int(v[1:]) for v in plan.stored)
+
+
+def test_the_papers_example_of_a_one_unit_gap_is_closed():
+    # d = the chain's vertex sizes, d_0 and d_n checkpoints (Algorithm 5: M(n) = d_n).
+    sizes = [4, 9, 5, 4, 8, 4, 7]
+    plan = solve_hong_linear(Graph.chain(sizes), None)
+    chosen = _graph_checkpoints(plan, len(sizes) - 1)
+    assert dynamic_objective(sizes, chosen) == brute_force(sizes, dynamic_objective) == 31
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=2, max_size=9))
+def test_graph_solvers_are_optimal_for_their_equation_on_random_chains(sizes):
+    n = len(sizes) - 1
+    linear = solve_hong_linear(Graph.chain(sizes), None)
+    chosen = _graph_checkpoints(linear, n)
+    assert chosen[0] == 0 and chosen[-1] == n
+    assert dynamic_objective(sizes, chosen) == brute_force(sizes, dynamic_objective)
+    cubic = solve_hong_cubic(Graph.chain(sizes), None)
+    chosen = _graph_checkpoints(cubic, n)
+    assert classic_objective(sizes, chosen) == brute_force(sizes, classic_objective)

@@ -15,11 +15,13 @@ memory cost is
 
 where l(v) is the vertex's ``mem`` and a segment's cost is the sum of the costs of its
 non-stored vertices. The paper's graphs have one source ``s`` and one target ``t`` that are
-always stored; ours have inputs and parameters outside the graph (resident, not counted),
-so this module adds a virtual source (the step's inputs, cost 0) before the vertices without
-predecessors and a virtual target (the loss, cost 0) after the vertices without successors.
-Every real vertex may then be stored or not. ``solve_linear(costs, pin_ends=True)`` solves the
-paper's literal chain form instead, where the first and last vertex are stored.
+always stored and counted in eq. 1. On a linear graph :func:`solve_feng` solves exactly that
+form (Algorithm 1 with ``pin_ends``): s and t are the chain's first and last vertex. A DAG
+may have several sources and sinks, and its inputs and parameters lie outside the graph
+(resident, not counted), so on other graphs this module adds a virtual source (the step's
+inputs, cost 0) before the vertices without predecessors and a virtual target (the loss,
+cost 0) after the vertices without successors; every real vertex may then be stored or
+not. ``solve_linear(costs)`` solves a chain in that form too.
 
 Arbitrary graphs (paper section 4): with V_R fixed, a segment is a connected set of
 non-stored vertices; the paper's optimality claim assumes (section 4.1, assumption 1) that
@@ -823,17 +825,26 @@ def solve_feng(graph: Graph, budget_bytes: int | None = None, **options: object)
         raise ValueError(f"feng: unknown options {unknown}; the only option is every_term")
     if len(graph) == 0:
         raise ValueError("feng: the graph has no vertices; trace a model with at least one op")
-    solution, root = _solve_tree(graph, bool(options.get("every_term", False)))
+    if graph.is_chain():
+        # The paper's linear computation graph: s and t are the first and last vertex.
+        costs = [int(n.mem) for n in graph.nodes]
+        objective_value, indices = solve_linear(costs, pin_ends=True)
+        solution = FengSolution(objective_value, [graph.ids[i] for i in indices],
+                                _chain_max_term(costs, indices), 0)
+        structure = "linear computation graph (Algorithm 1): s and t are its first and last vertex"
+    else:
+        solution, root = _solve_tree(graph, bool(options.get("every_term", False)))
+        kinds: dict[str, int] = {}
+        for node in root.walk():
+            kinds[node.kind] = kinds.get(node.kind, 0) + 1
+        structure = "division tree: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
     stages = _stages(graph, solution.stored)
-    kinds = {}
-    for node in root.walk():
-        kinds[node.kind] = kinds.get(node.kind, 0) + 1
     notes = [
         f"Feng-Huang objective (eq. 1): {solution.objective} bytes = stored "
         f"{solution.objective - solution.max_term} + largest re-forward {solution.max_term}",
-        f"{len(solution.stored)} checkpoints of {len(graph)} vertices; "
-        f"{solution.terms_tried} max terms tried",
-        "division tree: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
+        f"{len(solution.stored)} checkpoints of {len(graph)} vertices"
+        + (f"; {solution.terms_tried} max terms tried" if solution.terms_tried else ""),
+        structure,
         "memory-optimal under the paper's model; the budget only decides `feasible`",
     ]
     return make_plan(graph, stages, "feng", budget_bytes, stored=solution.stored, notes=notes)

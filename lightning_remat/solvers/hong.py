@@ -36,9 +36,15 @@ Choices where the paper is ambiguous (each also said where it is implemented):
    (the answer is ``min_s (s + d_n + M(n - 1, s))``), so the result is eq. 6's optimum.
 3. Eq. 13 ranges over ``i < j < n`` but Algorithm 5 over ``i < j <= n``; ``j = n`` is
    needed (it is the only choice for ``i = n - 1``), so ``j <= n``.
-4. Algorithm 6 indexes ``d_1..d_n`` and returns ``M(1)``; here the chain is ``d_0..d_n``
-   as in section 3 and the answer is ``M(0)`` (on a graph ``d_0`` is the step input, size 0,
-   since inputs are resident and not part of the budget, docs/design.md section 6).
+4. The boundary case, read off Algorithm 5: it sets ``M(n) = d_n`` before the loop, so the
+   last layer is a checkpoint and M at the end of the chain is ``d_n`` alone (nothing after
+   it to recompute or to hold a gradient for); the loop then runs ``i`` from ``n - 1`` down
+   and every ``M(i)`` counts ``d_i``, its own checkpoint. Algorithms 5 and 6 index the layers
+   ``d_1..d_n`` and return ``M(1)``; here the chain is indexed ``d_0..d_n`` and the answer is
+   ``M(0)``: the first element is a checkpoint and counted, as the paper's first layer is.
+   On a graph (:func:`_solve_on_graph`) that chain is the graph's articulation vertices, so
+   the first and the last of them are always checkpoints, and eq. 12 is evaluated on their
+   ``mem`` exactly as written.
 5. Algorithm 6 claims O(1) updates of ``max_{i<=k<j} d_k`` while ``j`` moves down, which
    a running maximum cannot do (a maximum cannot be "un-extended"). Here the range maximum
    comes from a union-find over the prefix maxima of ``d_i, d_{i+1}, ...`` (the classic
@@ -380,35 +386,41 @@ def _solve_on_graph(
         return make_plan(graph, [], solver_name, budget_bytes,
                          notes=["empty graph: nothing to plan"])
     chain = articulation_chain(graph)
-    # d_0 is the step input: resident, outside the budget (docs/design.md section 6), so size 0.
-    sizes = [0] + [graph[v].mem for v in chain]
+    if not chain:
+        return make_plan(graph, [Stage(ids, "keep")], solver_name, budget_bytes, notes=[
+            f"{description}: no vertex lies on every input-to-output path, so there is no "
+            "chain to select checkpoints on: one kept stage"])
+    # The paper's chain d_0..d_n: the first and the last element are checkpoints (choice 4).
+    sizes = [graph[v].mem for v in chain]
     objective, checkpoints = select(sizes)
-    checkpoint_ids = [chain[c - 1] for c in checkpoints[1:]]
+    checkpoint_ids = [chain[c] for c in checkpoints]
     notes = []
     if graph.is_chain():
         notes.append(f"{description} on the graph's chain of {len(chain)} vertices "
-                     "(d_0 = the step input, size 0)")
+                     "(d_0 its first vertex, d_n its last)")
     else:
         notes.append(
             f"{description} on the chain of the graph's {len(chain)} articulation vertices "
             f"(of {len(ids)}): the part between two articulation vertices is contracted with "
             "the one closing it into one chain element of that vertex's mem; only "
-            "articulation vertices can be checkpoints (d_0 = the step input, size 0)"
+            "articulation vertices can be checkpoints (d_0 the first of them, d_n the last)"
         )
-    if not chain:
-        notes.append("no vertex lies on every input-to-output path: one kept stage")
     notes.append(f"objective ({objective_name}) = {objective} bytes on that chain")
     notes.append(f"checkpoints: {checkpoint_ids if len(checkpoint_ids) <= 20 else checkpoint_ids[:20] + ['...']}")
 
     # Split after every checkpoint but the last (the output end of the chain): the stages
-    # before it are recomputed, the last one is kept (its backward follows its forward).
+    # before it are recomputed, the last one is kept (its backward follows its forward). A
+    # stage holding nothing but a checkpoint has nothing to recompute: it is kept.
     cut_positions = [graph.position(v) for v in checkpoint_ids[:-1]]
+    stored = set(checkpoint_ids)
     stages: list[Stage] = []
     start = 0
     for cut in cut_positions:
-        stages.append(Stage(ids[start:cut + 1], "recompute"))
+        nodes = ids[start:cut + 1]
+        stages.append(Stage(nodes, "keep" if stored.issuperset(nodes) else "recompute"))
         start = cut + 1
-    stages.append(Stage(ids[start:], "keep"))
+    if start < len(ids):
+        stages.append(Stage(ids[start:], "keep"))
     plan = make_plan(graph, stages, solver_name, budget_bytes, stored=checkpoint_ids,
                      notes=notes)
     if not plan.feasible:
