@@ -84,7 +84,7 @@ def main() -> None:
     )
     print()
     print(report.table())
-    print(f"\nsearch took {time.perf_counter() - started:.1f} s; study in {root}/lightning_remat/batch_size.db;"
+    print(f"\nsearch took {time.perf_counter() - started:.1f} s; study in {root}/lightning_remat_cache/batch_size.db;"
           f" model.batch_size is now {model.batch_size}")
 
 

@@ -1,36 +1,160 @@
-"""``lightning-remat``: profile a model, solve a graph, find the smallest budget."""
+"""``lightning-remat``: profile a model, solve a graph, find the smallest budget.
+
+Every error is one line on stderr that names the input and what is accepted, with exit code
+2: arguments are checked by their argparse types, and the failures a command can expect
+(unreadable files, a model that cannot be loaded, an infeasible budget) are caught in
+:func:`main`. Importing this module loads neither torch nor Lightning: each command imports
+what it needs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
-from lightning_remat.budget import format_bytes
+from lightning_remat.budget import ACCEPTED_FORMS, format_bytes, validate_budget
 from lightning_remat.errors import RematError, RematInfeasibleError
 
 
-def load_model(spec: str):
-    """A torchvision model by name (``resnet50``) or ``package.module:factory``."""
+class UsageError(Exception):
+    """An input the command cannot use; its message names the input and what is accepted."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an int >= 1")
+    return value
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """A per-sample shape, ``"3,224,224"``."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size < 1 for size in shape):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shape; give the per-sample sizes (ints >= 1) separated by commas, "
+            "such as 3,224,224 or 128")
+    return shape
+
+
+def budget_arg(text: str) -> int | float | str:
+    """A budget as the library takes it: ``"4096"`` bytes, ``"0.5"`` a fraction, ``"4GiB"``,
+    ``"60%"``."""
+    value: int | float | str = text
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+    try:
+        validate_budget(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a budget; accepted: {ACCEPTED_FORMS}") from None
+    return value
+
+
+def graph_file(text: str) -> Path:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a directory; give a graph JSON file (as 'lightning-remat profile' writes)")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no such file; give a graph JSON file (as 'lightning-remat profile' writes)")
+    return path
+
+
+def device_arg(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, checked against this machine."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; accepted: cpu, cuda, cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has no CUDA device torch can use; accepted here: cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {count} CUDA device(s); accepted: cuda:0 to cuda:{count - 1}")
+    return text
+
+
+def load_graph(path: str | Path) -> Any:
+    """The graph in ``path``; UsageError when it is not one, or has no vertices."""
+    from lightning_remat.graph.ir import Graph
+
+    try:
+        graph = Graph.load(path)
+    except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--graph {path} is not a graph JSON ({_one_line(exc)}); give a file "
+                         "as 'lightning-remat profile' writes (docs/design.md section 3)") from None
+    if len(graph) == 0:
+        raise UsageError(f"--graph {path} has no vertices; give the graph of a model with at least "
+                         "one operation")
+    return graph
+
+
+def load_model(spec: str) -> Any:
+    """A torchvision model by name (``resnet50``) or ``package.module:factory``: an
+    ``nn.Module``, or UsageError."""
+    import torch
+
     if ":" in spec:
         module_name, attr = spec.split(":", 1)
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise SystemExit(f"error: cannot load {spec!r}: {exc}") from exc
-        return factory()
+            raise UsageError(f"cannot load {spec!r}: {_one_line(exc)}; give module.path:factory "
+                             "with the module importable from here") from None
+        try:
+            model = factory()
+        except Exception as exc:
+            raise UsageError(f"{spec}() raised {type(exc).__name__}: {_one_line(exc)}; the factory "
+                             "must build the model without arguments") from None
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module; the "
+                             "factory must return the model")
+        return model
     try:
         import torchvision
     except ImportError:
-        raise SystemExit(
-            f"error: {spec!r} names a torchvision model but torchvision is not installed "
+        raise UsageError(
+            f"{spec!r} names a torchvision model but torchvision is not installed "
             "(pip install 'lightning-remat[vision]'), or give module.path:factory"
         ) from None
     try:
         return torchvision.models.get_model(spec)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+        raise UsageError(f"{_one_line(exc)}; or give module.path:factory") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -39,7 +163,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from lightning_remat.graph.profile import profile_module
 
     model = load_model(args.model)
-    shape = [args.batch_size, *[int(s) for s in args.input_shape.split(",")]]
+    shape = [args.batch_size, *args.input_shape]
     if args.dtype == "long":
         example = torch.randint(0, args.vocab, shape, device=args.device)
     else:
@@ -55,10 +179,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 def _cmd_solve(args: argparse.Namespace) -> int:
     from lightning_remat.budget import parse_budget
-    from lightning_remat.graph.ir import Graph
     from lightning_remat.solvers import fits, get_solver, min_budget, plain_plan
 
-    graph = Graph.load(args.graph)
+    graph = load_graph(args.graph)
     budget = parse_budget(args.budget, plain_plan(graph).predicted_peak_bytes)
     plan = get_solver(args.solver)(graph, budget)
     if not fits(plan, budget):
@@ -73,10 +196,9 @@ def _cmd_solve(args: argparse.Namespace) -> int:
 
 
 def _cmd_min_budget(args: argparse.Namespace) -> int:
-    from lightning_remat.graph.ir import Graph
     from lightning_remat.solvers import min_budget
 
-    graph = Graph.load(args.graph)
+    graph = load_graph(args.graph)
     nbytes = min_budget(graph, args.solver)
     print(f"{nbytes}\t{format_bytes(nbytes)}")
     return 0
@@ -102,12 +224,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from lightning_remat.lightning.synthetic import SyntheticTask
 
     if not args.device.startswith("cuda") and not args.budget:
-        raise ValueError("tune on CPU needs --budget (bytes or '512MiB'): nothing raises "
+        raise UsageError("tune on CPU needs --budget (bytes or '512MiB'): nothing raises "
                          "out-of-memory there, so only the budget bounds the batch size")
+    if args.init_val > args.max_val:
+        raise UsageError(f"--init-val {args.init_val} is above --max-val {args.max_val}; lower "
+                         "--init-val or raise --max-val")
     model = load_model(args.model)
     if not isinstance(model, pl.LightningModule):
-        shape = tuple(int(s) for s in args.input_shape.split(","))
-        model = SyntheticTask(model, shape, batch_size=args.init_val, dtype=args.dtype, vocab=args.vocab)
+        model = SyntheticTask(model, args.input_shape, batch_size=args.init_val, dtype=args.dtype,
+                              vocab=args.vocab)
     cuda = args.device.startswith("cuda")
     index = int(args.device.split(":")[1]) if cuda and ":" in args.device else 0
     trainer = pl.Trainer(
@@ -115,9 +240,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         default_root_dir=args.root_dir, logger=False, enable_checkpointing=False,
         enable_model_summary=False, enable_progress_bar=False,
     )
-    budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
     report = find_max_batch_size(
-        trainer, model, memory_budget=budget, solver=args.solver, batch_arg_name=args.batch_arg_name,
+        trainer, model, memory_budget=args.budget, solver=args.solver, batch_arg_name=args.batch_arg_name,
         init_val=args.init_val, max_val=args.max_val, steps_per_trial=args.steps_per_trial,
         max_trials=args.max_trials, granularity=args.granularity, compare_plain=not args.no_plain,
         storage=args.storage, progress_bar=not args.no_progress,
@@ -127,17 +251,18 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-remat", description=__doc__)
+    parser = _Parser(prog="lightning-remat", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("profile", help="trace and profile a model, write its graph JSON")
     p.add_argument("model", help="torchvision model name (resnet50) or module.path:factory")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--input-shape", default="3,224,224", help="per-sample shape, comma separated")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--input-shape", type=input_shape, default="3,224,224",
+                   help="per-sample shape, comma separated")
     p.add_argument("--dtype", choices=["float", "long"], default="float",
                    help="long: integer token ids in [0, --vocab)")
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--vocab", type=positive_int, default=1000)
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--safe", action="store_true", help="memory-safe profiling (every stage recomputed)")
     p.add_argument("--out", "-o", default="graph.json")
     p.set_defaults(func=_cmd_profile)
@@ -145,14 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_remat.solvers import SOLVERS
 
     p = sub.add_parser("solve", help="plan a graph for a budget")
-    p.add_argument("--graph", required=True)
-    p.add_argument("--budget", required=True, help="bytes, '4GiB', '512MB' or '60%%' of the plain peak")
+    p.add_argument("--graph", type=graph_file, required=True)
+    p.add_argument("--budget", type=budget_arg, required=True,
+                   help="bytes, '4GiB', '512MB', or '60%%' (0.6) of the plain peak")
     p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
     p.add_argument("--json", action="store_true", help="print the plan JSON")
     p.set_defaults(func=_cmd_solve)
 
     p = sub.add_parser("min-budget", help="smallest budget a solver reaches on a graph")
-    p.add_argument("--graph", required=True)
+    p.add_argument("--graph", type=graph_file, required=True)
     p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
     p.set_defaults(func=_cmd_min_budget)
 
@@ -164,35 +290,42 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="largest batch size that fits a budget, plain and with remat")
     p.add_argument("model", help="torchvision model name, or module.path:factory (an nn.Module, or a "
                    "LightningModule with its own train_dataloader and batch size attribute)")
-    p.add_argument("--input-shape", default="3,224,224", help="per-sample shape, comma separated")
+    p.add_argument("--input-shape", type=input_shape, default="3,224,224",
+                   help="per-sample shape, comma separated")
     p.add_argument("--dtype", choices=["float", "long"], default="float")
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--budget", help="bytes or '6GiB' (required on CPU; default on CUDA: free memory less 10%%)")
+    p.add_argument("--vocab", type=positive_int, default=1000)
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--budget", type=budget_arg, help="bytes or '6GiB' (required on CPU; default on CUDA: free memory less 10%%)")
     p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
     p.add_argument("--batch-arg-name", default="batch_size")
-    p.add_argument("--init-val", type=int, default=2)
-    p.add_argument("--max-val", type=int, default=8192)
-    p.add_argument("--steps-per-trial", type=int, default=3)
-    p.add_argument("--max-trials", type=int, default=25)
-    p.add_argument("--granularity", type=int, default=1)
+    p.add_argument("--init-val", type=positive_int, default=2)
+    p.add_argument("--max-val", type=positive_int, default=8192)
+    p.add_argument("--steps-per-trial", type=positive_int, default=3)
+    p.add_argument("--max-trials", type=positive_int, default=25)
+    p.add_argument("--granularity", type=positive_int, default=1)
     p.add_argument("--no-plain", action="store_true", help="skip plain training's search")
-    p.add_argument("--root-dir", default=".", help="where lightning_remat/batch_size.db goes")
+    p.add_argument("--root-dir", default=".", help="where lightning_remat_cache/batch_size.db goes")
     p.add_argument("--storage", help="Optuna storage URL (default: SQLite under --root-dir)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_tune)
     return parser
 
 
+_EXPECTED: tuple[type[BaseException], ...] = (
+    UsageError, RematError, ValueError, OSError, OverflowError, NotImplementedError,
+)
+"""Failures a command expects (bad files, unusable models, infeasible budgets): one line."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return int(args.func(args) or 0)
-    except RematInfeasibleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (RematError, ValueError, NotImplementedError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        return int(command(args) or 0)
+    except _EXPECTED as exc:
+        kind = "" if isinstance(exc, (UsageError, RematInfeasibleError, ValueError)) else f"{type(exc).__name__}: "
+        print(f"lightning-remat {args.command}: error: {kind}{_one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,7 @@ This module holds no Lightning code; the strategy passes in its broadcast and a 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Hashable
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_remat.budget import parse_budget, validate_budget
-from lightning_remat.cache import CacheKey, PlanCache
+from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change
 from lightning_remat.device import (
     default_budget,
     device_name,
@@ -97,6 +98,30 @@ def _same_values(key_a: InputKey, key_b: InputKey) -> bool:
     )
 
 
+def _is_precision(leaf: Hashable) -> bool:
+    return isinstance(leaf, tuple) and leaf[:1] == ("precision",)
+
+
+def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
+    """What differs between two input keys, by kind (``"shapes"``, ``"dtypes"``,
+    ``"precision"``, else ``"arguments"``: the non-tensor values), briefly."""
+    tensors_old = [leaf[1:3] for leaf in old if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
+    tensors_new = [leaf[1:3] for leaf in new if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
+    changes = {}
+    if [t[0] for t in tensors_old] != [t[0] for t in tensors_new]:
+        changes["shapes"] = f"shapes {[list(t[0]) for t in tensors_old]} -> {[list(t[0]) for t in tensors_new]}"
+    if [t[1] for t in tensors_old] != [t[1] for t in tensors_new]:
+        changes["dtypes"] = f"dtypes {[t[1] for t in tensors_old]} -> {[t[1] for t in tensors_new]}"
+    precision_old = [leaf for leaf in old if _is_precision(leaf)]
+    precision_new = [leaf for leaf in new if _is_precision(leaf)]
+    if precision_old != precision_new:
+        def show(leaves: list) -> str:
+            return "/".join(leaves[0][1:]) if leaves else "unknown"
+        changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
+                                f"-> {show(precision_new)}")
+    return changes or {"arguments": "non-tensor arguments"}
+
+
 def shapes_of(key: InputKey) -> list[list[int]]:
     """The tensor shapes in an input key, in order."""
     return [list(leaf[1]) for leaf in key if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
@@ -135,6 +160,27 @@ def solver_options(solver: str, device: torch.device, offload: bool = True) -> d
     if solver != "auto":
         return {}
     return {"allow_offload": offload and has_host_memory(device)}
+
+
+def autocast_state(device: torch.device) -> str:
+    """``"off"``, or the dtype autocast computes in on ``device``'s type (read at planning
+    time: the strategy plans inside ``training_step``, where Lightning's precision plugin
+    has already entered autocast)."""
+    device_type = torch.device(device).type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return str(dtype) if enabled else "off"
+
+
+def parameter_dtypes(module: nn.Module) -> str:
+    """The module's parameter dtypes, e.g. ``"torch.float32"`` (sorted, comma separated)."""
+    return ",".join(sorted({str(p.dtype) for p in module.parameters()})) or "none"
 
 
 @dataclass(frozen=True)
@@ -176,6 +222,8 @@ class Planned:
     module: RematModule
     example: tuple[tuple, dict] | None = field(default=None, repr=False)
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
+    basis: PlanBasis | None = None
+    """What decided the plan (stored beside it in the cache and in checkpoints)."""
 
     @property
     def graph(self) -> Graph:
@@ -218,8 +266,10 @@ class Planned:
 class Planner:
     """Plans ``module`` once per input key and runs every call through the plan for its key.
 
-    ``cache``: plans on disk, looked up before profiling. ``restored``: graph and plan JSON
-    by ``repr(input key)`` (from a checkpoint), used before the cache. ``broadcast(obj)``:
+    ``cache``: plans on disk, looked up before profiling. ``restored``: stored plans by
+    ``repr(input key)`` (from a checkpoint), used before the cache. A stored plan is used
+    only when its :class:`~lightning_remat.cache.PlanBasis` equals this call's; otherwise a
+    warning names what changed and the call is planned again. ``broadcast(obj)``:
     rank zero's object on every rank (DDP); only rank zero profiles and solves.
     ``on_plan(planned)``: called after each new plan. ``keep_example``: keep each planned
     call on the host for :meth:`Planned.measure_timeline`.
@@ -231,7 +281,7 @@ class Planner:
         settings: PlanSettings | None = None,
         *,
         cache: PlanCache | None = None,
-        restored: dict[str, tuple[str, str]] | None = None,
+        restored: dict[str, StoredPlan] | None = None,
         broadcast: Callable[[Any], Any] | None = None,
         on_plan: Callable[[Planned], None] | None = None,
         keep_example: bool = False,
@@ -255,13 +305,19 @@ class Planner:
             self._signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
             self._signature = None
-        self._warned = False
+        self._warned_about: set[str] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.remat_module(*args, **kwargs)
 
     def key(self, args: tuple, kwargs: dict) -> InputKey:
-        return input_key(self._signature, args, kwargs)
+        """The call's :func:`input_key` and the precision it runs at: the autocast state and
+        the parameters' dtype (a step at another precision is another input, its plan was
+        profiled at other costs)."""
+        first = next(self.module.parameters(), None)
+        precision = ("precision", autocast_state(torch.device("cpu")),
+                     autocast_state(torch.device("cuda")), "none" if first is None else str(first.dtype))
+        return (precision, *input_key(self._signature, args, kwargs))
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new."""
@@ -269,15 +325,17 @@ class Planner:
         entry = self.planned.get(key)
         if entry is not None:
             return entry
-        if self.planned and not self._warned:
-            previous = next(reversed(self.planned))
+        changes = key_changes(next(reversed(self.planned)), key) if self.planned else {}
+        if changes.keys() - self._warned_about:
+            # Once per kind of change: a run of short last batches warns once, a later change
+            # of dtype or precision warns again.
+            self._warned_about |= changes.keys()
             warnings.warn(
                 "lightning_remat: the inputs differ from the ones the plan was made for "
-                f"(shapes {shapes_of(previous)} -> {shapes_of(key)}, or non-tensor arguments); "
-                "re-planning for them (each new input is planned once and cached)",
+                f"({'; '.join(changes.values())}); re-planning for them (each new input is "
+                "planned once and cached)",
                 stacklevel=6,  # the caller of the module: planned_for < _select < forward < nn.Module
             )
-            self._warned = True
         self.busy = True
         try:
             entry = self._plan(args, kwargs, key)
@@ -306,23 +364,27 @@ class Planner:
         options = solver_options(settings.solver, device, settings.offload)
         with preserved_state(module, [device]):
             traced = trace_module(module, args, kwargs)
+        basis = PlanBasis(
+            graph_hash=traced.graph.graph_hash(),
+            input_key=repr(tuple(leaf for leaf in key if not _is_precision(leaf))),
+            device_name=device_name(device), budget=repr(settings.memory_budget),
+            solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
+            param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
+        )
         graph: Graph | None = None
         plan: Plan | None = None
         from_cache = False
-        if repr(key) in self.restored:
-            graph_json, plan_json = self.restored[repr(key)]
-            graph, plan, from_cache = Graph.from_json(graph_json), Plan.from_json(plan_json), True
+        stored, explained = self._restored_for(repr(key), basis)
+        if stored is not None:
+            graph, plan = Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json)
+            from_cache = True
         if plan is None and self._plans_here():
-            cache_key = None
             if self.cache is not None:
-                cache_key = CacheKey(
-                    graph_hash=traced.graph.graph_hash(), input_key=repr(key),
-                    device_name=device_name(device), budget=str(settings.memory_budget),
-                    solver=settings.solver + repr(sorted(options.items())),
-                )
-                hit = self.cache.get(cache_key)
+                hit = self.cache.get(basis)
                 if hit is not None:
                     graph, plan, from_cache = hit.graph, hit.plan, True
+                elif not explained:
+                    self._say_why_not(basis, self.cache.bases(), "plan cache")
             if plan is None:
                 graph = profile_module(
                     module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
@@ -333,8 +395,8 @@ class Planner:
                     graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
                 budget = settings.budget_bytes(graph, device)
                 plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
-                if cache_key is not None:
-                    self.cache.put(cache_key, graph, plan)
+                if self.cache is not None:
+                    self.cache.put(basis, graph, plan)
         if self.broadcast is not None:
             payload = self.broadcast(None if plan is None else (graph.to_json(), plan.to_json(), from_cache))
             graph, plan, from_cache = Graph.from_json(payload[0]), Plan.from_json(payload[1]), payload[2]
@@ -344,7 +406,42 @@ class Planner:
         variant.budget_bytes = settings.budget_bytes(graph, device)
         variant.from_cache = from_cache
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
-        return Planned(key, variant, self.remat_module, example)
+        return Planned(key, variant, self.remat_module, example, basis)
+
+    def _restored_for(self, key_text: str, basis: PlanBasis) -> tuple[StoredPlan | None, bool]:
+        """The checkpoint's plan for this key and ``basis``, and whether a warning said why
+        there is none (what differs from the nearest plan: one for the same key, or any on
+        this run's first plan)."""
+        stored = self.restored.get(key_text)
+        if stored is not None and stored.basis == basis:
+            return stored, False
+        if stored is None and (not self.restored or self.planned):
+            return None, False
+        candidates = [stored] if stored is not None else list(self.restored.values())
+        known = [c.basis for c in candidates if c.basis is not None]
+        if known:
+            return None, self._say_why_not(basis, known, "checkpoint", same_inputs=False)
+        if self._plans_here():
+            warnings.warn(describe_change(None, basis, "checkpoint"), stacklevel=3)
+            return None, True
+        return None, False
+
+    def _say_why_not(self, basis: PlanBasis, others: list[PlanBasis], source: str,
+                     same_inputs: bool = True) -> bool:
+        """Warn (rank zero) why the nearest of ``others`` (the same graph and, with
+        ``same_inputs``, the same inputs) is not reused for ``basis``; whether it warned."""
+        if not self._plans_here():
+            return False
+        near = [b for b in others if b.graph_hash == basis.graph_hash
+                and (not same_inputs or b.input_key == basis.input_key)]
+        if not near and not same_inputs:
+            near = others
+        if not near:
+            return False
+        names = [f.name for f in dataclasses.fields(PlanBasis)]
+        nearest = min(near, key=lambda b: sum(getattr(b, n) != getattr(basis, n) for n in names))
+        warnings.warn(describe_change(nearest, basis, source), stacklevel=3)
+        return True
 
     def _plans_here(self) -> bool:
         """Without a broadcast every process plans; with one, rank zero only."""

@@ -9,12 +9,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_remat.budget import format_bytes
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.tuning import SearchResult
+
+if TYPE_CHECKING:  # only annotations: rendering a plan (the CLI's solve) loads no Optuna or torch
+    from lightning_remat.tuning import SearchResult
 
 __all__ = [
     "TAG", "BatchSizeReport", "RunReport", "format_plan", "read_run", "timeline_figure",

@@ -35,6 +35,7 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 from torch import nn
 
+from lightning_remat.cache import default_cache_dir, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
 from lightning_remat.errors import RematInfeasibleError
 
@@ -282,10 +283,8 @@ def run_search(
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = BisectionSampler(init_val, max_val, granularity)
-    study = optuna.create_study(
-        storage=storage, study_name=study_name, sampler=sampler,
-        directions=["maximize", "maximize"], load_if_exists=True,
-    )
+    study, storage_used = _load_study(storage, study_name, sampler)
+    _fail_stale_trials(study, storage_used, label)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         batch_size = trial.suggest_int(PARAM, 1, max_val)
@@ -346,6 +345,60 @@ def run_search(
     )
 
 
+def sqlite_path(storage: Any) -> Path | None:
+    """The file of an Optuna SQLite storage URL (``sqlite:///path``), else None."""
+    if isinstance(storage, str) and storage.startswith("sqlite:///"):
+        path = storage.removeprefix("sqlite:///").split("?", 1)[0]
+        return None if path in ("", ":memory:") else Path(path)
+    return None
+
+
+def _load_study(storage: str | optuna.storages.BaseStorage | None, study_name: str,
+                sampler: BaseSampler) -> tuple[Study, optuna.storages.BaseStorage]:
+    """Create or load the study (and the storage object it uses); an SQLite file that cannot
+    be read is moved aside with one warning and the search starts over in a new one."""
+    def load() -> tuple[Study, optuna.storages.BaseStorage]:
+        storage_object = optuna.storages.get_storage(storage)
+        study = optuna.create_study(storage=storage_object, study_name=study_name, sampler=sampler,
+                                    directions=["maximize", "maximize"], load_if_exists=True)
+        return study, storage_object
+
+    path = sqlite_path(storage)
+    if path is None:
+        return load()
+    problem = sqlite_problem(path)
+    if problem is None:
+        try:
+            return load()
+        except Exception as exc:  # SQLAlchemy's and Optuna's errors for a foreign schema
+            import sqlalchemy.exc
+
+            if not isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, RuntimeError)) or not path.exists():
+                raise
+            problem = str(exc).splitlines()[0]
+    move_aside(path, problem, "batch-size study storage")
+    return load()
+
+
+def _fail_stale_trials(study: Study, storage: optuna.storages.BaseStorage, label: str) -> None:
+    """Trials a killed search left RUNNING are marked failed (the sampler then proposes their
+    sizes again), with one warning. One search runs per study at a time, so every RUNNING
+    trial found before this search starts is stale."""
+    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if not stale:
+        return
+    study_id = storage.get_study_id_from_name(study.study_name)
+    for trial in stale:
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    sizes = [t.params.get(PARAM) for t in stale]
+    warnings.warn(
+        f"lightning-remat batch-size search ({label}): {len(stale)} trial(s) of study "
+        f"{study.study_name!r} were left running by an interrupted search (batch sizes {sizes}); "
+        "marked them failed, their sizes run again", stacklevel=3,
+    )
+
+
 def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     """Trials not dominated in (batch size, samples/s), by increasing batch size (the same
     set as Optuna's ``study.best_trials`` over the feasible trials)."""
@@ -387,8 +440,8 @@ def _progress(enabled: bool, label: str) -> Any:
 
 
 def default_storage(root_dir: str | Path) -> str:
-    """``sqlite:///<root_dir>/lightning_remat/batch_size.db`` (the folder is created)."""
-    folder = Path(root_dir).resolve() / "lightning_remat"
+    """``sqlite:///<root_dir>/lightning_remat_cache/batch_size.db`` (the folder is created)."""
+    folder = default_cache_dir(Path(root_dir).resolve())
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'batch_size.db'}"
 

@@ -251,7 +251,7 @@ def _search_settings(trainer, budget_bytes):
 def tmp_cache(trainer):
     from pathlib import Path
 
-    return Path(trainer.default_root_dir) / "lightning_remat"
+    return Path(trainer.default_root_dir) / "lightning_remat_cache"
 
 
 def _state(model):
@@ -284,7 +284,7 @@ def test_callback_writes_the_largest_feasible_size_and_fit_uses_it(tmp_path):
     for r in report.remat.trials:
         assert r.feasible == (r.peak_bytes <= 2 * 2**20)
     assert report.remat.smallest_infeasible is None or report.remat.smallest_infeasible == best + 1
-    assert (tmp_path / "lightning_remat" / "batch_size.db").exists()
+    assert (tmp_path / "lightning_remat_cache" / "batch_size.db").exists()
     assert "largest fits" in report.table()
 
 
@@ -423,7 +423,7 @@ def test_cli_tune_prints_the_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "largest fits" in out and "plain" in out
-    assert (tmp_path / "lightning_remat" / "batch_size.db").exists()
+    assert (tmp_path / "lightning_remat_cache" / "batch_size.db").exists()
     assert main(["tune", "tests.test_batch_size:tiny_net", "--root-dir", str(tmp_path)]) == 2  # no budget on CPU
     assert "--budget" in capsys.readouterr().err
 

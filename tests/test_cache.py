@@ -2,7 +2,7 @@ import sqlite3
 
 import pytest
 
-from lightning_remat.cache import CacheKey, PlanCache
+from lightning_remat.cache import PlanBasis, PlanCache
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.simulate import make_plan
 
@@ -10,7 +10,8 @@ from lightning_remat.solvers.simulate import make_plan
 def _setup(tmp_path):
     graph = Graph.chain([100] * 4)
     plan = make_plan(graph, [(graph.ids[:2], "recompute"), (graph.ids[2:], "keep")], "test")
-    key = CacheKey(graph.graph_hash(), repr(((8, 3, 32, 32), "torch.float32")), "cpu", "1000", "auto")
+    key = PlanBasis(graph.graph_hash(), repr(((8, 3, 32, 32), "torch.float32")), "cpu", "1000", "auto",
+                    "off", "torch.float32", "2.13.0")
     return PlanCache(tmp_path / "plans.sqlite"), key, graph, plan
 
 
@@ -21,8 +22,9 @@ def test_hit_after_put_and_miss_on_any_other_key(tmp_path):
     entry = PlanCache(tmp_path / "plans.sqlite").get(key)  # a new process would open anew
     assert entry is not None and entry.plan == plan and entry.graph.to_dict() == graph.to_dict()
     for changed in (dict(budget="999"), dict(input_key=repr(((4, 3, 32, 32), "torch.float32"))),
-                    dict(solver="x"), dict(device_name="cuda")):
-        other = CacheKey(**{**key.__dict__, **changed})
+                    dict(solver="x"), dict(device_name="cuda"), dict(autocast="torch.bfloat16"),
+                    dict(param_dtype="torch.float16"), dict(torch_version="2.14.0")):
+        other = PlanBasis(**{**key.__dict__, **changed})
         assert cache.get(other) is None
 
 
@@ -31,9 +33,9 @@ def test_corrupted_entry_is_ignored_with_a_warning_and_dropped(tmp_path):
     cache.put(key, graph, plan)
     with sqlite3.connect(cache.path) as db:
         db.execute("UPDATE plans SET plan = ?", ('{"stages": [{"nodes": ["nope"], "action": "keep"}]',))
-    with pytest.warns(UserWarning, match="corrupted or stale"):
+    with pytest.warns(UserWarning, match="cannot be read"):
         assert cache.get(key) is None
-    assert len(cache) == 0
+    assert len(cache) == 0 and (tmp_path / "plans.sqlite.corrupt").exists()
 
 
 def test_plan_that_does_not_cover_the_graph_is_stale(tmp_path):
@@ -48,6 +50,6 @@ def test_plan_that_does_not_cover_the_graph_is_stale(tmp_path):
 def test_unreadable_file_is_moved_aside(tmp_path):
     path = tmp_path / "plans.sqlite"
     path.write_bytes(b"this is not sqlite" * 100)
-    with pytest.warns(UserWarning, match="unreadable"):
+    with pytest.warns(UserWarning, match="cannot be read"):
         cache = PlanCache(path)
     assert len(cache) == 0 and (tmp_path / "plans.sqlite.corrupt").exists()

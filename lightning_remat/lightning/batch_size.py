@@ -43,7 +43,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_remat.budget import parse_budget
-from lightning_remat.cache import PlanCache
+from lightning_remat.cache import PlanCache, default_cache_dir
 from lightning_remat.device import default_budget, preserved_training_state
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
@@ -293,7 +293,7 @@ class RematBatchSizeFinder(Callback):
         granularity: stop when the largest feasible and smallest infeasible size are this
             close (1: the exact maximum).
         compare_plain: also search plain training's maximum (solver ``"plain"``) for the report.
-        storage: an Optuna storage URL; default ``sqlite:///<default_root_dir>/lightning_remat/batch_size.db``,
+        storage: an Optuna storage URL; default ``sqlite:///<default_root_dir>/lightning_remat_cache/batch_size.db``,
             so an interrupted search resumes.
         study_name: prefix of the study names (default: model class, device, budget, solver,
             input shape).
@@ -389,7 +389,7 @@ class RematBatchSizeFinder(Callback):
         return SearchSettings(
             plan=plan, budget_bytes=budget_bytes, device=device,
             target=remat_strategy.target if remat_strategy is not None else None,
-            cache_dir=Path(cache_dir or Path(trainer.default_root_dir) / "lightning_remat"),
+            cache_dir=Path(cache_dir or default_cache_dir(trainer.default_root_dir)),
         )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,

@@ -29,9 +29,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_remat.cache import PlanCache
-from lightning_remat.graph.ir import Graph
-from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
+from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
 from lightning_remat.planner import Planned, Planner, PlanSettings, shapes_of
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
@@ -39,7 +37,8 @@ from lightning_remat.solvers.plan import Plan
 __all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy"]
 
 CHECKPOINT_KEY = "lightning_remat"
-"""Where a checkpoint keeps the plans (graph and plan JSON by input key)."""
+"""Where a checkpoint keeps the plans (graph and plan JSON and what decided them, by input
+key)."""
 
 
 class RematHooks:
@@ -73,7 +72,7 @@ class RematHooks:
         self.cache_dir = cache_dir
         self.planner = None
         self._target_module: torch.nn.Module | None = None
-        self._restored: dict[str, tuple[str, str]] = {}
+        self._restored: dict[str, StoredPlan] = {}
         self._in_training_step = False
 
     @property
@@ -131,7 +130,7 @@ class RematHooks:
                 ) from None
         cache_dir = self.cache_dir
         if cache_dir is None:
-            cache_dir = Path(trainer.default_root_dir) / "lightning_remat"
+            cache_dir = default_cache_dir(trainer.default_root_dir)
         world_size = getattr(self, "world_size", 1)
         self.planner = Planner(
             module, self.remat_settings, cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
@@ -157,6 +156,10 @@ class RematHooks:
     @staticmethod
     def _add_dashboards(trainer: pl.Trainer) -> bool:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
+        # Imported here: importing memory_timeline imports pytorch_lightning, whose first import
+        # registers the strategies by importing this module (lightning_remat/__init__.py).
+        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
+
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False
         if not any(isinstance(cb, MemoryTimelineLogger) for cb in trainer.callbacks):
@@ -182,23 +185,23 @@ class RematHooks:
             self._in_training_step = False
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def _checkpoint_state(self) -> dict[str, tuple[str, str]]:
-        if self.planner is None:
-            return {}
-        return {
-            repr(key): (entry.graph.to_json(), entry.plan.to_json())
-            for key, entry in self.planner.planned.items()
-        }
+    def _checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """Each plan with what decided it; plans restored and not replaced in this run are
+        kept, so a resume that has not yet seen an input loses nothing."""
+        state = {key: stored.to_dict() for key, stored in self._restored.items()}
+        if self.planner is not None:
+            for key, entry in self.planner.planned.items():
+                state[repr(key)] = StoredPlan(entry.graph.to_json(), entry.plan.to_json(), entry.basis).to_dict()
+        return state
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY) or {}
         restored = {}
-        for key, (graph_json, plan_json) in state.get("plans", {}).items():
+        for key, value in (state.get("plans") or {}).items():
             try:
-                Plan.from_json(plan_json).validate(Graph.from_json(graph_json))
-            except ValueError:
-                continue  # a stale plan is re-made, never trusted
-            restored[key] = (graph_json, plan_json)
+                restored[key] = StoredPlan.from_stored(value)
+            except (ValueError, KeyError, TypeError):
+                continue  # a damaged plan is re-made, never trusted
         self._restored.clear()
         self._restored.update(restored)
 
@@ -215,7 +218,7 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
         profile_steps: measured repeats when profiling.
         target: the submodule to rematerialize (default: the LightningModule's forward).
         offload: allow the offloading fallback of ``solver="auto"``.
-        cache_dir: where plans are cached (default: ``<default_root_dir>/lightning_remat``).
+        cache_dir: where plans are cached (default: ``<default_root_dir>/lightning_remat_cache``).
         safe_profile: profile op by op so profiling fits where a plain step would not.
         device: the device to train on (default: the Trainer's).
     """

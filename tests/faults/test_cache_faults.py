@@ -1,0 +1,153 @@
+"""A plan cache or a batch-size study that cannot be read never stops training: the file is
+moved aside with one warning, the plans that can still be read are kept, and the run goes on
+(docs/design.md section 5)."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remat.cache import PlanBasis, PlanCache
+from lightning_remat.graph.ir import Graph
+from lightning_remat.planner import Planner, PlanSettings
+from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.tuning import TrialResult, run_search
+
+PAGE = 4096
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 1))
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    module.zero_grad()
+    module(x).sum().backward()
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def _plan_and_train(cache_path) -> tuple[Planner, list[torch.Tensor]]:
+    model = _model()
+    planner = Planner(model, PlanSettings("85%", "auto"), cache=PlanCache(cache_path))
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    grads = _grads(planner.remat_module, x)
+    return planner, grads
+
+
+def _plain_grads() -> list[torch.Tensor]:
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    return _grads(_model(), x)
+
+
+def _entries(n: int) -> list[tuple[PlanBasis, Graph, object]]:
+    out = []
+    for i in range(n):
+        graph = Graph.chain([1000 + i] * 40)
+        plan = make_plan(graph, [(graph.ids[:20], "recompute"), (graph.ids[20:], "keep")], "test")
+        basis = PlanBasis(graph.graph_hash(), f"input {i}", "cpu", "'60%'", "chen[]", "off",
+                          "torch.float32", "2.13.0")
+        out.append((basis, graph, plan))
+    return out
+
+
+def _our_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "lightning-remat" in str(w.message)]
+
+
+def test_a_cache_with_random_bytes_after_its_first_page_is_moved_aside_and_training_goes_on(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    for basis, graph, plan in _entries(3):
+        cache.put(basis, graph, plan)
+    data = path.read_bytes()
+    assert len(data) > PAGE
+    path.write_bytes(data[:PAGE] + random.Random(0).randbytes(len(data) - PAGE))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, grads = _plan_and_train(path)
+    messages = _our_warnings(record)
+    assert len(messages) == 1 and "moved it to" in messages[0], messages
+    assert (tmp_path / "plans.sqlite.corrupt").exists()
+    for a, b in zip(grads, _plain_grads()):
+        assert torch.equal(a, b)
+    assert len(PlanCache(path)) == 1  # the new file holds the plan just made
+
+
+def test_a_plans_table_of_another_schema_is_moved_aside(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE plans (key TEXT PRIMARY KEY, value TEXT)")
+        db.execute("INSERT INTO plans VALUES ('a', 'b')")
+    with pytest.warns(UserWarning, match="columns") as record:
+        _, grads = _plan_and_train(path)
+    assert len(_our_warnings(record)) == 1
+    assert (tmp_path / "plans.sqlite.corrupt").exists()
+    with sqlite3.connect(tmp_path / "plans.sqlite.corrupt") as db:  # kept as it was
+        assert db.execute("SELECT value FROM plans").fetchall() == [("b",)]
+    for a, b in zip(grads, _plain_grads()):
+        assert torch.equal(a, b)
+
+
+def test_a_cache_corrupted_at_any_page_warns_once_moves_aside_and_keeps_working(tmp_path):
+    source = tmp_path / "clean.sqlite"
+    cache = PlanCache(source)
+    entries = _entries(3)
+    for basis, graph, plan in entries:
+        cache.put(basis, graph, plan)
+    data = source.read_bytes()
+    pages = len(data) // PAGE
+    assert pages >= 4
+    garbage = random.Random(1).randbytes(PAGE)
+    for k in range(pages):
+        folder = tmp_path / f"page{k}"
+        folder.mkdir()
+        path = folder / "plans.sqlite"
+        path.write_bytes(data[:k * PAGE] + garbage + data[(k + 1) * PAGE:])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            cache = PlanCache(path)
+            found = [cache.get(basis) for basis, _, _ in entries]
+        messages = _our_warnings(record)
+        assert len(messages) == 1 and "moved it to" in messages[0], (k, messages)
+        assert (folder / "plans.sqlite.corrupt").exists(), k
+        for (_, graph, plan), hit in zip(entries, found):
+            assert hit is None or (hit.plan == plan and hit.graph.to_dict() == graph.to_dict()), k
+        basis, graph, plan = entries[0]
+        cache.put(basis, graph, plan)  # the new file works
+        assert PlanCache(path).get(basis).plan == plan
+
+
+def test_rows_still_readable_are_kept_when_the_file_is_moved_aside(tmp_path):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    entries = _entries(2)
+    for basis, graph, plan in entries:
+        cache.put(basis, graph, plan)
+    with sqlite3.connect(path) as db:  # one row's text damaged, the file itself sound
+        db.execute("UPDATE plans SET plan = '{\"stages\": [' WHERE key = ?", (entries[0][0].digest(),))
+    with pytest.warns(UserWarning, match="moved it to"):
+        assert cache.get(entries[0][0]) is None
+    assert cache.get(entries[1][0]).plan == entries[1][2]  # the other key's plan survived
+
+
+def _trial(batch_size: int) -> TrialResult:
+    return TrialResult(batch_size <= 12, peak_bytes=batch_size * 100, seconds=0.01)
+
+
+def test_an_unreadable_study_file_is_moved_aside_and_the_search_runs(tmp_path):
+    path = tmp_path / "batch_size.db"
+    run_search(_trial, storage=f"sqlite:///{path}", study_name="s")
+    data = path.read_bytes()
+    path.write_bytes(data[:PAGE] + random.Random(2).randbytes(len(data) - PAGE))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = run_search(_trial, storage=f"sqlite:///{path}", study_name="s")
+    messages = _our_warnings(record)
+    assert len(messages) == 1 and "moved it to" in messages[0], messages
+    assert result.largest_feasible == 12 and (tmp_path / "batch_size.db.corrupt").exists()
