@@ -16,6 +16,10 @@ Conventions follow ``pytorch_lightning.callbacks.BatchSizeFinder``: ``batch_arg_
 names an attribute of the model, its ``hparams`` or the datamodule (found with Lightning's
 ``lightning_hasattr``), the search runs in ``on_fit_start`` and the largest feasible size is
 written back with ``lightning_setattr``.
+
+Length: the trial, its verdict and the callback that drives it read the same Trainer
+internals (the fit loop's data source, the precision plugin, the optimizers); apart, each
+would import the other's private helpers.
 """
 
 from __future__ import annotations
