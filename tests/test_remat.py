@@ -329,7 +329,9 @@ def test_project_auto_solver_when_available() -> None:
     torch.manual_seed(0)
     model = residual_cnn()
     plain = copy.deepcopy(model)
-    remat_model = remat(model, torch.randn(4, 3, 16, 16), memory_budget="75%", solver="auto")
+    # 90%: the smallest feasible budget here is 83% of the plain peak, as the exact CPU
+    # meter reads it (docs/design.md section 6).
+    remat_model = remat(model, torch.randn(4, 3, 16, 16), memory_budget="90%", solver="auto")
     assert remat_model.plan.feasible
     batches = [((torch.randn(4, 3, 16, 16),), {}) for _ in range(2)]
     train_side_by_side(model, remat_model, plain, batches)

@@ -13,8 +13,8 @@
   (``perf_counter`` on CPU, CUDA events on GPU);
 - ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
   and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
-  the allocator's peak counter, on CPU the resident high-water mark of docs/design.md section 6
-  (temporaries under 64 KiB are not seen; 0 where /proc is missing).
+  the allocator's peak counter, on CPU the tensor storage meter of docs/design.md section 6,
+  in one extra step (scratch memory a kernel never makes a tensor is not seen).
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
 never holds all activations: the forward runs under ``no_grad`` (values freed after their
@@ -62,13 +62,7 @@ from lightning_remat.graph.trace import (
     is_getitem,
     trace_module,
 )
-from lightning_remat.meter import (
-    high_water_mark,
-    peak_bytes,
-    reset_high_water_mark,
-    resident_bytes,
-    set_mmap_threshold,
-)
+from lightning_remat.meter import StorageMeter, peak_bytes
 
 __all__ = ["profile_module"]
 
@@ -131,51 +125,36 @@ class _Clock:
 class _Workspace:
     """Peak bytes during an op above max(before, after): the op's temporary workspace.
 
-    CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
-    (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
-    :mod:`lightning_remat.meter`; it needs glibc's mmap threshold at 64 KiB and sees
-    temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
+    CUDA: the caching allocator's peak counter. CPU: the :class:`~lightning_remat.meter.StorageMeter`
+    the step runs under (docs/design.md section 6): the tensors an op creates and frees
+    before it returns; without one (the timed steps, which run without the meter's per-op
+    cost) it reads 0.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, meter: StorageMeter | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self.enabled = self.cuda or _proc_meter_works()
+        self.meter = meter
+        self.enabled = self.cuda or meter is not None
 
     def start(self) -> int:
-        if not self.enabled:
-            return 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return torch.cuda.memory_allocated(self.device)
-        reset_high_water_mark()
-        return resident_bytes()
+        if self.meter is None:
+            return 0
+        self.meter.reset_peak()
+        return self.meter.live
 
     def stop(self, before: int) -> int:
-        if not self.enabled:
-            return 0
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
             after = torch.cuda.memory_allocated(self.device)
+        elif self.meter is None:
+            return 0
         else:
-            peak = high_water_mark()
-            after = resident_bytes()
-            # Below the mmap threshold a temporary comes from the heap, where the reading is
-            # page-fault noise rather than the op's workspace: the meter's resolution.
-            if peak - max(before, after) < _CPU_RESOLUTION:
-                return 0
+            peak, after = self.meter.peak, self.meter.live
         return max(0, int(peak - max(before, after)))
-
-
-_CPU_RESOLUTION = 64 * 1024
-
-
-def _proc_meter_works() -> bool:
-    try:
-        reset_high_water_mark()
-        return high_water_mark() > 0 and resident_bytes() > 0
-    except (OSError, KeyError):
-        return False
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -267,9 +246,10 @@ class _OpMeter:
     vertex each output storage belongs to) and hooks its backward; shared by the fx
     interpreter and the fallback's submodule profiler."""
 
-    def __init__(self, device: torch.device, excluded_ptrs: set[int], safe: bool, rounds: int) -> None:
+    def __init__(self, device: torch.device, excluded_ptrs: set[int], safe: bool, rounds: int,
+                 meter: StorageMeter | None = None) -> None:
         self.clock = _Clock(device)
-        self.workspace = _Workspace(device)
+        self.workspace = _Workspace(device, meter)
         self.timer = _BackwardTimer(self.clock, self.workspace)
         self.excluded = excluded_ptrs
         self.safe = safe
@@ -346,9 +326,9 @@ class _Profiler(fx.Interpreter, _OpMeter):
     """
 
     def __init__(self, traced: Traced, device: torch.device, excluded_ptrs: set[int],
-                 safe: bool = False, rounds: int = 1) -> None:
+                 safe: bool = False, rounds: int = 1, meter: StorageMeter | None = None) -> None:
         fx.Interpreter.__init__(self, traced.runner)
-        _OpMeter.__init__(self, device, excluded_ptrs, safe, rounds)
+        _OpMeter.__init__(self, device, excluded_ptrs, safe, rounds, meter)
         self.traced = traced
         self.charge = traced.charge
         ids = set(traced.graph.ids)
@@ -464,8 +444,9 @@ class _SubmoduleProfiler(_OpMeter):
     ``rounds`` times on detached inputs with grad enabled, its own backward included."""
 
     def __init__(self, traced: Traced, module: nn.Module, device: torch.device,
-                 excluded_ptrs: set[int], safe: bool = False, rounds: int = 1) -> None:
-        super().__init__(device, excluded_ptrs, safe, rounds)
+                 excluded_ptrs: set[int], safe: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> None:
+        super().__init__(device, excluded_ptrs, safe, rounds, meter)
         self.traced, self.module = traced, module
         self.labels: dict[int, str] = {}
         """Storage -> the vertex that produced it (or the input)."""
@@ -685,10 +666,6 @@ def profile_module(
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
-    if device.type == "cpu":
-        # The CPU meter needs every large buffer in its own mapping from the first
-        # allocation on, or freed heap memory is reused unseen (docs/design.md section 6).
-        set_mmap_threshold()
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
     input_tensors = _tensors(list(inputs) + list(kwargs.values()))
@@ -697,14 +674,16 @@ def profile_module(
     excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
     if traced.kind == CHILDREN:
 
-        def make(safe_mode: bool = False, rounds: int = 1) -> tuple[_OpMeter, Callable[[], Any]]:
-            profiler = _SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds)
+        def make(safe_mode: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
+            profiler = _SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds, meter)
             return profiler, lambda: profiler.run(inputs, kwargs)
     else:
         args = traced.call_args(inputs, kwargs)
 
-        def make(safe_mode: bool = False, rounds: int = 1) -> tuple[_OpMeter, Callable[[], Any]]:
-            profiler = _Profiler(traced, device, excluded, safe_mode, rounds)
+        def make(safe_mode: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
+            profiler = _Profiler(traced, device, excluded, safe_mode, rounds, meter)
             return profiler, lambda: profiler.run(*args)
 
     meta = traced.graph.meta.copy()
@@ -721,7 +700,7 @@ def profile_module(
             try:
                 meta.plain_peak_bytes, meta.step_seconds = _plain_steps(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup, repeats)
-                records = _profile_steps(make, loss_fn, grad_holders, warmup, repeats)
+                records = _profile_steps(make, loss_fn, grad_holders, warmup, repeats, device)
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -737,7 +716,7 @@ def profile_module(
         if safe:
             meta.plain_peak_bytes = None
             meta.step_seconds = None
-            records = _profile_safe(make, grad_holders, warmup, repeats)
+            records = _profile_safe(make, grad_holders, warmup, repeats, device)
         _clear_grads(grad_holders)
         first = records[0]
         meta.batch_dependent = _batch_dependence(traced, module, inputs, kwargs, batch,
@@ -804,28 +783,38 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss_fn: LossFn,
-                   grad_holders: list[torch.Tensor], warmup: int, repeats: int) -> list[_Record]:
-    """Normal mode: whole steps, each op measured as the forward reaches it."""
-    records = []
-    for k in range(warmup + repeats):
-        profiler, run = make()
+                   grad_holders: list[torch.Tensor], warmup: int, repeats: int,
+                   device: torch.device) -> list[_Record]:
+    """Normal mode: whole steps, each op measured as the forward reaches it. On the CPU the
+    workspaces come from one more step under the storage meter, so its per-op cost is in
+    no timing."""
+
+    def step(meter: StorageMeter | None = None) -> _Record:
+        profiler, run = make(meter=meter)
         loss = loss_fn(run())
         _backward(loss)
         profiler.record.resolve(profiler.clock)
         profiler.timer.clear()
         del loss
         _clear_grads(grad_holders)
-        if k >= warmup:
-            records.append(profiler.record)
+        return profiler.record
+
+    records = [step() for _ in range(warmup + repeats)][warmup:]
+    if device.type != "cuda":
+        with StorageMeter(device.type) as meter:
+            metered = step(meter)
+        records[0].ws_fwd, records[0].ws_bwd = metered.ws_fwd, metered.ws_bwd
     return records
 
 
 def _profile_safe(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]],
-                  grad_holders: list[torch.Tensor], warmup: int, repeats: int) -> list[_Record]:
+                  grad_holders: list[torch.Tensor], warmup: int, repeats: int,
+                  device: torch.device) -> list[_Record]:
     """Memory-safe mode: one no-grad forward; each op measured alone ``warmup + repeats``
     times (forward and backward), its activations dropped before the next op."""
-    profiler, run = make(True, warmup + repeats)
-    with torch.no_grad():
+    meter = StorageMeter(device.type) if device.type != "cuda" else None
+    profiler, run = make(True, warmup + repeats, meter)
+    with meter if meter is not None else nullcontext(), torch.no_grad():
         run()
     _clear_grads(grad_holders)
     return profiler.records[warmup:]
