@@ -11,6 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -51,6 +52,7 @@ def minor_faults(mode: str) -> int:
     return json.loads(run.stdout.strip().splitlines()[-1])["faults"]
 
 
+@pytest.mark.slow
 def test_planning_leaves_the_allocator_as_without_the_package():
     """300 allocations of 2 MiB after remat(): the page faults of a process that never
     imported the package (a fixed 64 KiB mmap threshold made each one a fresh mapping:

@@ -152,8 +152,11 @@ def signed_batches(model: nn.Module, branch_taken: bool = True, steps: int = 4) 
     return batches
 
 
-@pytest.mark.parametrize("factory", [Branch, IterateRows, PythonMath],
-                         ids=["if-on-a-tensor", "iterate-and-len", "item-tolist-math"])
+@pytest.mark.parametrize("factory", [
+    pytest.param(Branch, id="if-on-a-tensor"),
+    pytest.param(IterateRows, id="iterate-and-len", marks=pytest.mark.slow),
+    pytest.param(PythonMath, id="item-tolist-math", marks=pytest.mark.slow),
+])
 def test_untraceable_forward_trains_like_plain(factory) -> None:
     torch.manual_seed(0)
     model = factory()
@@ -175,6 +178,7 @@ def test_branch_not_taken_on_the_example_input_still_trains_like_plain() -> None
     train_like_plain(model, remat_model, plain, batches)
 
 
+@pytest.mark.slow
 def test_varargs_forward_trains_like_plain() -> None:
     torch.manual_seed(0)
     model = VarArgs()
