@@ -160,11 +160,9 @@ def profile_model(name: str) -> Graph:
 
     from benchmarks.models import GPT, WithLoss
     from lightning_remat.graph.profile import profile_module
-    from lightning_remat.meter import set_mmap_threshold
 
     if name not in PROFILED:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(PROFILED)}")
-    set_mmap_threshold()
     torch.manual_seed(0)
     batch, _ = PROFILED[name]
     if name == "gpt":

@@ -7,7 +7,7 @@ Each model runs in its own fresh subprocess so earlier models leave nothing behi
 (allocator caches, glibc heaps). The step is ``model(x, targets).backward()`` where the
 model ends with its cross-entropy loss (``benchmarks.models.WithLoss``).
 
-    python benchmarks/prediction.py                 # CPU (the mmap threshold method)
+    python benchmarks/prediction.py                 # CPU (the tensor storage meter)
     python benchmarks/prediction.py --device cuda   # CUDA (allocator counters)
 
 torchvision models need torchvision: the workers run under ``--python`` (default: the
@@ -57,14 +57,11 @@ def build(name: str, batch: int, device: str):
 
 
 def worker(name: str, device: str) -> dict:
-    from lightning_remat.meter import peak_bytes, set_mmap_threshold
-
-    if device == "cpu":
-        set_mmap_threshold()
     import torch
 
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
+    from lightning_remat.meter import peak_bytes
     from lightning_remat.solvers.simulate import make_plan, simulate
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -118,10 +115,9 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.device)))
         return
 
-    # This checkout is importable in the workers (after any PYTHONPATH the caller set); the
-    # mmap threshold is fixed from the workers' start (docs/design.md section 6).
+    # This checkout is importable in the workers (after any PYTHONPATH the caller set).
     path = [p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), MALLOC_MMAP_THRESHOLD_="65536")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     env.setdefault("OMP_NUM_THREADS", "2")
     info = subprocess.run([args.python, "-c", "import torch; print(torch.__version__); "
                            "print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"],

@@ -14,15 +14,13 @@ How it is measured (the same for every method):
 
 - every figure comes from a fresh process (``--worker``), so no method's allocations, caches
   or compiled code disturb another's reading;
-- the peak is the step's peak above what was resident before it (``lightning_remat/meter.py``: the
-  caching allocator's peak on CUDA, VmHWM with a 64 KiB mmap threshold on the CPU), with
+- the peak is the step's peak above what was live before it (``lightning_remat/meter.py``: the
+  caching allocator's peak on CUDA, the live tensor storage counted op by op on the CPU), with
   gradients freed before the step as Lightning does, so allocating them is part of it;
 - the time is the median of ``--repeats`` steps after a warm-up step (compilation, planning
   and the allocator's first calls are outside it), alternating with as many plain steps in
-  the same process: *time/plain* is the ratio of the two medians; on the CPU, after the peak is read, glibc's
-  heap serves tensors again (``release_mmap_threshold``), since the meter's 64 KiB mmap
-  threshold makes every allocation pay page faults and would slow every method's steps,
-  those that allocate more (recomputation) the most;
+  the same process: *time/plain* is the ratio of the two medians (the meter changes no
+  allocator setting, so the timed steps run as a user's would);
 - gradient agreement is ``max|g - g_plain| / max|g_plain|`` after one step from the same
   weights on the same batch with the same RNG seed; BatchNorm agreement is the largest
   difference in running statistics after that step;
@@ -162,7 +160,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     it profiled (``predictions``)."""
     import torch
 
-    from lightning_remat.meter import peak_bytes, release_mmap_threshold
+    from lightning_remat.meter import peak_bytes
 
     device = torch.device(device_name)
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -247,10 +245,6 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         torch.manual_seed(1)
         model(x).float().sum().backward()
 
-    if device.type == "cpu":
-        # The meter's fixed mmap threshold makes every CPU tensor a fresh mapping (page faults
-        # on each allocation); time the steps as a CPU user's would run, from glibc's heap.
-        release_mmap_threshold()
     # Plain and method steps alternate in this process, so the ratio compares steps taken
     # under the same conditions (machine load drifts between processes).
     times: dict[Callable[[], None], list[float]] = {plain_step: [], step: []}
@@ -353,8 +347,7 @@ def spawn(args: argparse.Namespace, model: str, method: str, batch: int, size: i
            "--repeats", str(args.repeats)]
     if cap_bytes is not None:
         cmd += ["--cap", str(cap_bytes)]
-    # The CPU meter's threshold fixed from the process's first allocation (docs/design.md section 6).
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired:

@@ -30,4 +30,4 @@ class RematInfeasibleError(RematError):
 
 
 class TraceError(RematError):
-    """Neither torch.fx nor the chain of top-level children can describe the module."""
+    """Neither torch.fx nor checkpointing its submodules in place can describe the module."""

@@ -1,10 +1,12 @@
 """The memory meter: the truth every prediction is held to (docs/design.md section 6).
 
 CUDA: the caching allocator's peak above what was allocated before the call.
-CPU: glibc's mmap threshold is fixed at 64 KiB so each tensor buffer is its own mapping,
-returned to the kernel on free; the kernel's resident high-water mark (VmHWM) is reset
-through ``/proc/self/clear_refs`` and read after the call, minus the resident size before.
-That sees every allocation, compiled code included.
+CPU: exact accounting of live tensor storage (:class:`StorageMeter`), the way
+``torch.distributed._tools.mem_tracker`` counts: a ``TorchDispatchMode`` sees every aten op
+(forward, backward and recomputation) and adds the bytes of each storage an op creates; a
+weak reference on the storage takes them off when it is freed. It changes nothing in the
+process (no allocator setting, no ``/proc`` write) and sees every tensor, but not an op's
+internal scratch memory that never becomes a tensor (a oneDNN convolution's buffers).
 
 ``record_timeline`` gives the same readings op by op through one step (forward and
 backward), the measured counterpart of ``solvers.simulate``'s predicted timeline.
@@ -12,71 +14,89 @@ backward), the measured counterpart of ``solvers.simulate``'s predicted timeline
 
 from __future__ import annotations
 
-import ctypes
 import gc
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_threshold_set = False
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
-def set_mmap_threshold(nbytes: int = 65536) -> None:
-    """Make glibc serve every allocation of ``nbytes`` or more with its own mapping."""
-    global _threshold_set
-    if _threshold_set:
-        return
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(_M_MMAP_THRESHOLD, nbytes) != 1:
-        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the CPU meter needs glibc")
-    _threshold_set = True
+class StorageMeter(TorchDispatchMode):
+    """Live and peak bytes of the tensor storage created on ``device_type`` while entered.
+
+    An op's output counts as new memory when its schema says it does not alias an input
+    (views, in-place and ``out=`` results do) and its storage is none of the inputs'; a
+    storage counted once is not counted again (a view of it, an in-place op on it), and a
+    resize is followed. ``live`` and ``peak`` start at zero: the reading is above whatever
+    was allocated before. Storage created before and freed during the measurement is not
+    subtracted (it was never added).
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        values = [out] if len(returns) == 1 else list(out) if isinstance(out, (tuple, list)) else [out]
+        inputs: set[int] | None = None
+        for value, ret in zip(values, returns):
+            fresh = ret.alias_info is None
+            for t in tree_leaves(value):
+                if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                    continue
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # sparse, nested: no storage
+                    continue
+                key = id(storage)
+                if key in self._sizes:
+                    self._resized(key, storage.nbytes())
+                    continue
+                if not fresh:
+                    continue
+                if inputs is None:  # an op that returns an input without saying so
+                    inputs = {_data_ptr(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+                if storage.data_ptr() in inputs:
+                    continue
+                self._add(key, storage)
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _add(self, key: int, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self.live += nbytes
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
+
+    def _resized(self, key: int, nbytes: int) -> None:
+        if nbytes != self._sizes[key]:
+            self.live += nbytes - self._sizes[key]
+            self._sizes[key] = nbytes
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
 
 
-def release_mmap_threshold() -> None:
-    """Let glibc serve buffers from its heap again, as its dynamic threshold would once grown
-    (32 MiB, trim at 64 MiB). For timing CPU steps after the readings are taken: with every
-    tensor a fresh mapping, each allocation pays page faults (CPU steps measured about 1.6x
-    slower here). Readings taken after this are less exact (freed heap memory fragments), so
-    take them first; :func:`set_mmap_threshold` fixes the threshold again."""
-    global _threshold_set
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
-    libc.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20)
-    _threshold_set = False
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the kernel, so the next reading starts from the floor."""
+def _data_ptr(t: torch.Tensor) -> int:
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def resident_bytes() -> int:
-    """The process's resident set size (VmRSS)."""
-    return _proc_status("VmRSS")
-
-
-def reset_high_water_mark() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def high_water_mark() -> int:
-    return _proc_status("VmHWM")
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return -1
 
 
 def is_cuda(device: Any) -> bool:
@@ -92,29 +112,18 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int
         fn()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - base)
-    set_mmap_threshold()
-    gc.collect()
-    trim_heap()
-    reset_high_water_mark()
-    base = resident_bytes()
-    fn()
-    return int(high_water_mark() - base)
+    gc.collect()  # garbage from before would be freed during fn: never counted, never subtracted
+    with StorageMeter(torch.device(device).type) as meter:
+        fn()
+    return int(meter.peak)
 
 
-# glibc's mmap threshold grows with the first large buffer freed from the heap; after that,
-# tensor buffers come from the heap and the resident size no longer falls when they are freed.
-# Fixing it when the meter is imported, before any such buffer, keeps the CPU readings honest.
-try:
-    set_mmap_threshold()
-except (OSError, RuntimeError):  # not glibc: the CPU meter is unavailable, CUDA still works
-    pass
-
-
-def live_bytes(device: str | torch.device = "cpu") -> int:
-    """Bytes in use now: CUDA allocated bytes, or the resident set size on CPU."""
+def live_bytes(device: str | torch.device = "cpu", meter: StorageMeter | None = None) -> int:
+    """Bytes in use now: CUDA allocated bytes, or on CPU the tensor storage ``meter`` has
+    seen created and still alive (0 without one)."""
     if is_cuda(device):
         return int(torch.cuda.memory_allocated(device))
-    return resident_bytes()
+    return meter.live if meter is not None else 0
 
 
 # ---- timeline recorder ----------------------------------------------------------------------
@@ -139,34 +148,39 @@ class TimelinePoint:
 class _Reader:
     """Live and peak readings relative to the level before the step. The CUDA path and the
     CPU path differ only here: CUDA reads the caching allocator's counters (after a sync);
-    CPU reads VmRSS and VmHWM with the mmap threshold at 64 KiB (each tensor buffer its own
-    mapping, so a free shows at once)."""
+    CPU reads a :class:`StorageMeter` entered for the step (``with reader:``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        if not self.cuda:
-            set_mmap_threshold()
+        self.meter = None if self.cuda else StorageMeter(device.type)
         gc.collect()
-        if not self.cuda:
-            # Memory glibc kept from before the threshold was fixed would be reused without
-            # touching the resident size: hand it back to the kernel first.
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
         self.reset_peak()
         self.base = self._live()
+
+    def __enter__(self) -> _Reader:
+        if self.meter is not None:
+            self.meter.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.meter is not None:
+            self.meter.__exit__(*exc)
 
     def _live(self) -> int:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.memory_allocated(self.device))
-        return resident_bytes()
+        assert self.meter is not None
+        return self.meter.live
 
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            reset_high_water_mark()
+            assert self.meter is not None
+            self.meter.reset_peak()
 
     def read(self) -> tuple[int, int]:
         """(live, peak since the last reset), both relative to the base; resets the peak."""
@@ -174,7 +188,8 @@ class _Reader:
         if self.cuda:
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            peak = high_water_mark()
+            assert self.meter is not None
+            peak = self.meter.peak
         self.reset_peak()
         return live - self.base, max(peak, live) - self.base
 
@@ -256,13 +271,15 @@ def record_timeline(
     attribution = _BackwardAttribution()
     reader = _Reader(device)
     try:
-        output = _forward_with_points(module, example_inputs, reader, points, attribution)
-        loss = loss_fn(output)
-        del output
-        attribution.attribute("loss", loss, set())
-        live, peak = reader.read()
-        points.append(TimelinePoint("forward", "loss", live, peak))
-        _backward_with_points(loss, reader, points, attribution)
+        with reader:
+            output = _forward_with_points(module, example_inputs, reader, points, attribution)
+            loss = loss_fn(output)
+            del output
+            attribution.attribute("loss", loss, set())
+            live, peak = reader.read()
+            points.append(TimelinePoint("forward", "loss", live, peak))
+            _backward_with_points(loss, reader, points, attribution)
+            del loss
     finally:
         for p, g in old_grads.items():
             p.grad = g

@@ -39,9 +39,10 @@ from lightning_remat.device import (
 )
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
-from lightning_remat.graph.trace import trace_module
+from lightning_remat.graph.trace import CHILDREN, trace_module
 from lightning_remat.meter import TimelinePoint, record_timeline
-from lightning_remat.runtime.module import RematModule, Variant, build_variant
+from lightning_remat.runtime.hooked import per_submodule_plan
+from lightning_remat.runtime.module import RematModule, Variant, build_traced_variant
 from lightning_remat.runtime.offload import measure_bandwidth
 from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
@@ -395,13 +396,15 @@ class Planner:
                     graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
                 budget = settings.budget_bytes(graph, device)
                 plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
+                if traced.kind == CHILDREN:  # each submodule checkpointed on its own
+                    plan = per_submodule_plan(graph, plan, budget)
                 if self.cache is not None:
                     self.cache.put(basis, graph, plan)
         if self.broadcast is not None:
             payload = self.broadcast(None if plan is None else (graph.to_json(), plan.to_json(), from_cache))
             graph, plan, from_cache = Graph.from_json(payload[0]), Plan.from_json(payload[1]), payload[2]
         assert graph is not None and plan is not None
-        variant = build_variant(traced.runner, plan, self.remat_module, module, traced.charge)
+        variant = build_traced_variant(traced, plan, self.remat_module, module)
         variant.graph = graph
         variant.budget_bytes = settings.budget_bytes(graph, device)
         variant.from_cache = from_cache

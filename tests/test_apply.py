@@ -21,18 +21,12 @@ from torch.utils import _pytree as pytree
 
 from lightning_remat.device import preserved_state
 from lightning_remat.graph.trace import build_fx_graph, default_loss, trace_module
-from lightning_remat.meter import set_mmap_threshold
 from lightning_remat.runtime.module import RematModule, apply_plan
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.simulate import make_plan
 from tests.models import ResidualCNN, tiny_lm
 
 TOL = 1e-6
-
-# Fix glibc's mmap threshold before these tests free any large buffer: otherwise glibc raises
-# the threshold (and its trim threshold) dynamically, freed memory stays resident, and the
-# CPU meter of later tests in the same process (VmHWM) no longer sees their allocations.
-set_mmap_threshold()
 
 
 # ---- helpers ---------------------------------------------------------------------------------

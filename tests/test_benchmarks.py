@@ -54,18 +54,6 @@ def test_dirty_tree_is_refused_unless_allowed(tmp_path: Path) -> None:
     assert run.git_commit(True, tmp_path).endswith("+dirty")
 
 
-@pytest.fixture
-def meter_restored():
-    """run.measure releases the CPU meter's mmap threshold before timing (a worker process's
-    last act); the tests after these need it fixed again."""
-    yield
-    from lightning_remat.meter import set_mmap_threshold, trim_heap
-
-    set_mmap_threshold()
-    trim_heap()
-
-
-@pytest.mark.usefixtures("meter_restored")
 def test_measure_gives_plain_agreement_and_a_budgeted_plan() -> None:
     """A real worker measurement (in-process, a small GPT): our plan's gradients equal the
     plain model's, and the row carries what RESULTS.md shows."""
@@ -90,7 +78,6 @@ def test_measure_gives_plain_agreement_and_a_budgeted_plan() -> None:
         run.measure("gpt", "magic", "cpu", 2, 32, 1)
 
 
-@pytest.mark.usefixtures("meter_restored")
 def test_batchnorm_statistics_are_compared() -> None:
     row = run.measure("unet", "remat:kusumoto-mc:60%", "cpu", batch=2, size=32, repeats=1)
     if "skipped" not in row:

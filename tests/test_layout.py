@@ -24,7 +24,7 @@ FLOW: list[tuple[str, ...]] = [
     ("solvers.chen", "solvers.feng", "solvers.hong", "solvers.kusumoto", "solvers.beaumont"),
     ("solvers.auto",),
     ("solvers",),
-    ("runtime.offload", "runtime.stages"),
+    ("runtime.offload", "runtime.stages", "runtime.hooked"),
     ("runtime.module",),
     ("cache",),
     ("planner",),

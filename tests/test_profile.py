@@ -220,7 +220,7 @@ class _ArgMax(nn.Module):
         return x.argmax(dim=1)
 
 
-def test_chain_fallback_profiles_each_child():
+def test_fallback_profiles_each_submodule_in_the_models_own_forward():
     from tests.test_trace import DataDependent
 
     with warnings.catch_warnings():

@@ -190,9 +190,10 @@ def test_non_tensor_flag_is_specialised_and_replanned() -> None:
     train_side_by_side(model, remat_model, plain, batches)
 
 
-def test_chain_fallback_uses_the_same_machinery() -> None:
+def test_untraceable_fallback_trains_as_plain() -> None:
     class Branchy(nn.Module):
-        """Data-dependent control flow: fx cannot trace it, the children chain can."""
+        """Data-dependent control flow: fx cannot trace it; its submodules are checkpointed
+        where its own forward calls them."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -212,7 +213,7 @@ def test_chain_fallback_uses_the_same_machinery() -> None:
     model = Branchy()
     plain = copy.deepcopy(model)
     x = torch.randn(256, 6)
-    with pytest.warns(UserWarning, match="chain"):
+    with pytest.warns(UserWarning, match="its own forward runs"):
         budget, _ = reachable_bytes(model, x)
         remat_model = remat(model, x, memory_budget=budget, solver="test-segments")
     assert remat_model.graph.ids == ["a", "b", "c", "d", "e"]
@@ -328,7 +329,9 @@ def test_project_auto_solver_when_available() -> None:
     torch.manual_seed(0)
     model = residual_cnn()
     plain = copy.deepcopy(model)
-    remat_model = remat(model, torch.randn(4, 3, 16, 16), memory_budget="75%", solver="auto")
+    # 90%: the smallest feasible budget here is 83% of the plain peak, as the exact CPU
+    # meter reads it (docs/design.md section 6).
+    remat_model = remat(model, torch.randn(4, 3, 16, 16), memory_budget="90%", solver="auto")
     assert remat_model.plan.feasible
     batches = [((torch.randn(4, 3, 16, 16),), {}) for _ in range(2)]
     train_side_by_side(model, remat_model, plain, batches)

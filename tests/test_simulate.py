@@ -157,8 +157,7 @@ def test_every_byte_is_accounted_for(seed):
 
 _REAL_MLP = r"""
 import json
-from lightning_remat.meter import peak_bytes, set_mmap_threshold
-set_mmap_threshold()
+from lightning_remat.meter import peak_bytes
 import torch
 from torch import nn
 from lightning_remat.graph.profile import profile_module
@@ -185,8 +184,7 @@ print(json.dumps({"measured": measured, "predicted": simulate(graph).peak_bytes}
 
 
 def run_isolated(code: str) -> dict:
-    """Run ``code`` in a fresh interpreter with the mmap threshold fixed from its start (the
-    CPU meter's premise, docs/design.md section 6); its last stdout line is JSON."""
+    """Run ``code`` in a fresh interpreter (one thread); its last stdout line is JSON."""
     import json
     import os
     import subprocess
@@ -194,7 +192,7 @@ def run_isolated(code: str) -> dict:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=root, timeout=120)

@@ -11,8 +11,7 @@ from lightning_remat.meter import record_timeline
 
 _RECORD = r"""
 import json
-from lightning_remat.meter import peak_bytes, record_timeline, set_mmap_threshold
-set_mmap_threshold()
+from lightning_remat.meter import peak_bytes, record_timeline
 import torch
 import torch.fx
 from torch import nn

@@ -111,7 +111,7 @@ def test_keyword_inputs_and_defaults():
 
 
 class DataDependent(nn.Module):
-    """Python control flow on a tensor value, but the children in order compute the same."""
+    """Python control flow on a tensor value: fx rejects it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,23 +126,22 @@ class DataDependent(nn.Module):
 
 
 class Tangled(nn.Module):
-    """Data-dependent and its children are not a chain."""
+    """Data-dependent, and no submodule it calls once: nothing to checkpoint in place."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x):
         if x.sum() > 0:
-            return self.a(x) + self.b(x)
-        return self.a(x) - self.b(x)
+            return x @ self.w
+        return x @ self.w.t()
 
 
-def test_fallback_to_children_chain_warns_why():
-    with pytest.warns(UserWarning, match=r"could not trace DataDependent .*control flow.*chain"):
+def test_fallback_runs_the_models_own_forward_and_warns_why():
+    with pytest.warns(UserWarning, match=r"could not trace DataDependent .*control flow.*its own forward runs"):
         traced = trace_module(DataDependent(), torch.randn(3, 4))
-    assert traced.kind == "chain" and traced.gm is None
+    assert traced.kind == "children" and traced.gm is None
     assert [name for name, _ in traced.children] == ["a", "b", "c"]
     graph = traced.graph
     assert [(n.id, n.op) for n in graph] == [("a", "Linear"), ("b", "ReLU"), ("c", "Linear")]
@@ -152,7 +151,7 @@ def test_fallback_to_children_chain_warns_why():
 
 
 def test_trace_error_names_the_module_when_nothing_works():
-    with pytest.raises(TraceError, match=r"Tangled.*torch\.fx failed.*chain fallback failed"):
+    with pytest.raises(TraceError, match=r"Tangled.*torch\.fx rejected.*control flow.*cannot be checkpointed in place"):
         trace_module(Tangled(), torch.randn(3, 4))
 
 

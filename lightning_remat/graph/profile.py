@@ -13,8 +13,8 @@
   (``perf_counter`` on CPU, CUDA events on GPU);
 - ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
   and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
-  the allocator's peak counter, on CPU the resident high-water mark of docs/design.md section 6
-  (temporaries under 64 KiB are not seen; 0 where /proc is missing).
+  the allocator's peak counter, on CPU the tensor storage meter of docs/design.md section 6,
+  in one extra step (scratch memory a kernel never makes a tensor is not seen).
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
 never holds all activations: the forward runs under ``no_grad`` (values freed after their
@@ -38,6 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from lightning_remat.device import (
 )
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import (
+    CHILDREN,
     Traced,
     ValueRecorder,
     as_tuple,
@@ -60,13 +62,7 @@ from lightning_remat.graph.trace import (
     is_getitem,
     trace_module,
 )
-from lightning_remat.meter import (
-    high_water_mark,
-    peak_bytes,
-    reset_high_water_mark,
-    resident_bytes,
-    set_mmap_threshold,
-)
+from lightning_remat.meter import StorageMeter, peak_bytes
 
 __all__ = ["profile_module"]
 
@@ -129,51 +125,36 @@ class _Clock:
 class _Workspace:
     """Peak bytes during an op above max(before, after): the op's temporary workspace.
 
-    CUDA: the caching allocator's peak counter. CPU: the kernel's resident high-water mark
-    (VmHWM, reset through /proc/self/clear_refs), the method of the CPU meter in
-    :mod:`lightning_remat.meter`; it needs glibc's mmap threshold at 64 KiB and sees
-    temporaries of 64 KiB and more. Elsewhere (no /proc) it reads 0.
+    CUDA: the caching allocator's peak counter. CPU: the :class:`~lightning_remat.meter.StorageMeter`
+    the step runs under (docs/design.md section 6): the tensors an op creates and frees
+    before it returns; without one (the timed steps, which run without the meter's per-op
+    cost) it reads 0.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, meter: StorageMeter | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
-        self.enabled = self.cuda or _proc_meter_works()
+        self.meter = meter
+        self.enabled = self.cuda or meter is not None
 
     def start(self) -> int:
-        if not self.enabled:
-            return 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return torch.cuda.memory_allocated(self.device)
-        reset_high_water_mark()
-        return resident_bytes()
+        if self.meter is None:
+            return 0
+        self.meter.reset_peak()
+        return self.meter.live
 
     def stop(self, before: int) -> int:
-        if not self.enabled:
-            return 0
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
             after = torch.cuda.memory_allocated(self.device)
+        elif self.meter is None:
+            return 0
         else:
-            peak = high_water_mark()
-            after = resident_bytes()
-            # Below the mmap threshold a temporary comes from the heap, where the reading is
-            # page-fault noise rather than the op's workspace: the meter's resolution.
-            if peak - max(before, after) < _CPU_RESOLUTION:
-                return 0
+            peak, after = self.meter.peak, self.meter.live
         return max(0, int(peak - max(before, after)))
-
-
-_CPU_RESOLUTION = 64 * 1024
-
-
-def _proc_meter_works() -> bool:
-    try:
-        reset_high_water_mark()
-        return high_water_mark() > 0 and resident_bytes() > 0
-    except (OSError, KeyError):
-        return False
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -260,7 +241,83 @@ class _BackwardTimer:
 # ---- node-by-node interpreter ---------------------------------------------------------------------
 
 
-class _Profiler(fx.Interpreter):
+class _OpMeter:
+    """Measures one op's forward (time, workspace, output bytes, what autograd saves, which
+    vertex each output storage belongs to) and hooks its backward; shared by the fx
+    interpreter and the fallback's submodule profiler."""
+
+    def __init__(self, device: torch.device, excluded_ptrs: set[int], safe: bool, rounds: int,
+                 meter: StorageMeter | None = None) -> None:
+        self.clock = _Clock(device)
+        self.workspace = _Workspace(device, meter)
+        self.timer = _BackwardTimer(self.clock, self.workspace)
+        self.excluded = excluded_ptrs
+        self.safe = safe
+        self.records = [_Record() for _ in range(rounds)]
+
+    @property
+    def record(self) -> _Record:
+        return self.records[0]
+
+    def measure_op(self, rec: _Record, vid: str, run: Callable[[], Any], labels: dict[int, str],
+                   elements: Callable[[Any], Iterator[tuple[str, Any]]] | None) -> Any:
+        """Run ``run()`` as vertex ``vid``'s op. ``labels``: input storage -> the vertex (or
+        the input) it came from. ``elements``: for a tuple producer, (vertex, element) of
+        its output; None when the op's output is the vertex's own."""
+        packed: list[tuple[int, int]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(_storage(t))
+            return t
+
+        ws_before = self.workspace.start()
+        start = self.clock.mark()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+        end = self.clock.mark()
+        rec.ws_fwd[vid] = max(rec.ws_fwd[vid], self.workspace.stop(ws_before))
+        rec.pending.append((vid, "fwd", start, end))
+
+        # Which vertex each output storage belongs to: this node's own, or for a tuple
+        # producer the getitem vertex that picks the element.
+        own: dict[int, list[str]] = defaultdict(list)
+        if elements is None:
+            for t in _tensors(out):
+                own[_storage(t)[0]].append(vid)
+            rec.mem[vid] = _output_bytes(out)
+            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
+            rec.numel[vid] = sum(t.numel() for t in _tensors(out))
+        else:
+            for owner, element in elements(out):
+                for t in _tensors(element):
+                    own[_storage(t)[0]].append(owner)
+        # Views and in-place results share an earlier vertex's storage: record the vertex
+        # that owns it (the alias root), or that it is the storage of an input/parameter.
+        for ptr, owners in own.items():
+            source = labels.get(ptr)
+            for k, owner in enumerate(dict.fromkeys(owners)):
+                if ptr in self.excluded or source == _INPUT:
+                    rec.resident_views.add(owner)
+                elif source is not None and source != owner:
+                    rec.aliases[owner] = rec.root(source)
+                elif k > 0:
+                    rec.aliases[owner] = rec.root(owners[0])
+
+        saved_here = rec.saved_ptrs[vid]
+        for ptr, size in packed:
+            if ptr in self.excluded or ptr in saved_here:
+                continue
+            saved_here[ptr] = size
+            ref = own[ptr][0] if own.get(ptr) else labels.get(ptr)
+            if ref == _INPUT:
+                rec.saved_input[vid] += size
+            elif ref is not None and rec.root(ref) not in rec.saved_refs[vid]:
+                rec.saved_refs[vid].append(rec.root(ref))
+        self.timer.attach(vid, _tensors(out), rec)
+        return out
+
+
+class _Profiler(fx.Interpreter, _OpMeter):
     """Runs the traced forward node by node, measuring each compute node (docs/design.md section 3).
 
     ``safe=False``: one real step; ``run`` returns the output for the loss.
@@ -269,27 +326,15 @@ class _Profiler(fx.Interpreter):
     """
 
     def __init__(self, traced: Traced, device: torch.device, excluded_ptrs: set[int],
-                 safe: bool = False, rounds: int = 1) -> None:
-        super().__init__(traced.runner)
+                 safe: bool = False, rounds: int = 1, meter: StorageMeter | None = None) -> None:
+        fx.Interpreter.__init__(self, traced.runner)
+        _OpMeter.__init__(self, device, excluded_ptrs, safe, rounds, meter)
         self.traced = traced
         self.charge = traced.charge
         ids = set(traced.graph.ids)
-        self.vertex_of = {
-            name: vid for name, vid in traced.charge.items()
-            if vid in ids and (traced.kind == "chain" or name == vid)
-        }
-        self.clock = _Clock(device)
-        self.workspace = _Workspace(device)
-        self.timer = _BackwardTimer(self.clock, self.workspace)
-        self.excluded = excluded_ptrs
-        self.safe = safe
-        self.records = [_Record() for _ in range(rounds)]
+        self.vertex_of = {name: vid for name, vid in traced.charge.items() if vid in ids and name == vid}
         self.requires_grad: dict[str, Any] = {}
         """Safe mode: per node, the pytree of requires_grad flags of its grad-enabled output."""
-
-    @property
-    def record(self) -> _Record:
-        return self.records[0]
 
     def run_node(self, n: fx.Node) -> Any:
         if n.name not in self.charge:
@@ -325,57 +370,9 @@ class _Profiler(fx.Interpreter):
 
         args = fx.node.map_arg(n.args, fetch)
         kwargs = fx.node.map_arg(n.kwargs, fetch)
-        packed: list[tuple[int, int]] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(_storage(t))
-            return t
-
-        ws_before = self.workspace.start()
-        start = self.clock.mark()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = getattr(self, n.op)(n.target, args, kwargs)
-        end = self.clock.mark()
-        rec.ws_fwd[vid] = max(rec.ws_fwd[vid], self.workspace.stop(ws_before))
-        rec.pending.append((vid, "fwd", start, end))
-
-        # Which vertex each output storage belongs to: this node's own, or for a tuple
-        # producer the getitem vertex that picks the element.
-        own: dict[int, list[str]] = defaultdict(list)
-        if n.name in self.vertex_of:
-            for t in _tensors(out):
-                own[_storage(t)[0]].append(vid)
-            rec.mem[vid] = _output_bytes(out)
-            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
-            rec.numel[vid] = sum(t.numel() for t in _tensors(out))
-        else:
-            for owner, element in self._elements(n, out):
-                for t in _tensors(element):
-                    own[_storage(t)[0]].append(owner)
-        # Views and in-place results share an earlier vertex's storage: record the vertex
-        # that owns it (the alias root), or that it is the storage of an input/parameter.
-        for ptr, owners in own.items():
-            source = labels.get(ptr)
-            for k, owner in enumerate(dict.fromkeys(owners)):
-                if ptr in self.excluded or source == _INPUT:
-                    rec.resident_views.add(owner)
-                elif source is not None and source != owner:
-                    rec.aliases[owner] = rec.root(source)
-                elif k > 0:
-                    rec.aliases[owner] = rec.root(owners[0])
-
-        saved_here = rec.saved_ptrs[vid]
-        for ptr, size in packed:
-            if ptr in self.excluded or ptr in saved_here:
-                continue
-            saved_here[ptr] = size
-            ref = own[ptr][0] if own.get(ptr) else labels.get(ptr)
-            if ref == _INPUT:
-                rec.saved_input[vid] += size
-            elif ref is not None and rec.root(ref) not in rec.saved_refs[vid]:
-                rec.saved_refs[vid].append(rec.root(ref))
-        self.timer.attach(vid, _tensors(out), rec)
-        return out
+        elements = None if n.name in self.vertex_of else (lambda out: self._elements(n, out))
+        return self.measure_op(rec, vid, lambda: getattr(self, n.op)(n.target, args, kwargs),
+                               labels, elements)
 
     def _elements(self, n: fx.Node, value: Any) -> Iterator[tuple[str, Any]]:
         """(vertex id, element) for the getitem vertices under a tuple producer, nested
@@ -432,6 +429,108 @@ class _Profiler(fx.Interpreter):
         self.requires_grad[n.name] = pytree.tree_map(
             lambda t: t.requires_grad if isinstance(t, torch.Tensor) else None, out
         )
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        rec.resolve(self.clock)
+        self.timer.clear()
+        del out, outputs
+
+
+class _SubmoduleProfiler(_OpMeter):
+    """The fallback's profiler (``Traced.kind == "children"``): the model's own forward runs,
+    and each vertex submodule is measured where the forward calls it (its ``forward``
+    replaced for the run), as the executor of :mod:`lightning_remat.runtime.hooked` wraps
+    it. Safe mode: the forward runs under ``no_grad`` and each submodule is measured
+    ``rounds`` times on detached inputs with grad enabled, its own backward included."""
+
+    def __init__(self, traced: Traced, module: nn.Module, device: torch.device,
+                 excluded_ptrs: set[int], safe: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> None:
+        super().__init__(device, excluded_ptrs, safe, rounds, meter)
+        self.traced, self.module = traced, module
+        self.labels: dict[int, str] = {}
+        """Storage -> the vertex that produced it (or the input)."""
+
+    def run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for t in _tensors((list(inputs), kwargs)):
+            self.labels[_storage(t)[0]] = _INPUT
+        with self._measuring():
+            return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def _measuring(self) -> Iterator[None]:
+        missing = object()
+        previous = [(child, child.__dict__.get("forward", missing)) for _, child in self.traced.children]
+        for (name, child), (_, before) in zip(self.traced.children, previous):
+            inner = before if before is not missing else partial(type(child).forward, child)
+            child.forward = self._measured(name, inner)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for child, before in previous:
+                child.__dict__.pop("forward", None)
+                if before is not missing:
+                    child.forward = before  # type: ignore[method-assign]
+
+    def _measured(self, vid: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            labels: dict[int, str] = {}
+            for t in _tensors((list(args), kwargs)):
+                ptr = _storage(t)[0]
+                if ptr in self.labels:
+                    labels.setdefault(ptr, self.labels[ptr])
+            if self.safe:
+                for rec in self.records:
+                    self._measure_alone(vid, inner, args, kwargs, labels, rec)
+                with torch.no_grad():
+                    out = inner(*args, **kwargs)
+            else:
+                out = self.measure_op(self.records[0], vid, lambda: inner(*args, **kwargs), labels, None)
+            for t in _tensors(out):
+                ptr = _storage(t)[0]
+                if ptr not in labels:  # not a view of an input
+                    self.labels[ptr] = vid
+            return out
+
+        return forward
+
+    def _measure_alone(self, vid: str, inner: Callable[..., Any], args: tuple, kwargs: dict,
+                       labels: dict[int, str], rec: _Record) -> None:
+        try:
+            self._measure_copy(vid, inner, args, kwargs, labels, rec, clone=False)
+        except RuntimeError as exc:
+            if "in-place" not in str(exc) and "leaf" not in str(exc):
+                raise
+            self.timer.clear()
+            self._measure_copy(vid, inner, args, kwargs, labels, rec, clone=True)
+
+    def _measure_copy(self, vid: str, inner: Callable[..., Any], args: tuple, kwargs: dict,
+                      labels: dict[int, str], rec: _Record, clone: bool) -> None:
+        copies: set[int] = set()
+
+        def detach(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            leaf = t.detach()
+            source = labels.get(_storage(t)[0])
+            # Under the no-grad forward nothing requires grad: what a submodule's or the
+            # forward's own op produced would, an input only if it did.
+            wants = t.requires_grad or (source != _INPUT and (t.is_floating_point() or t.is_complex()))
+            if wants:
+                if clone:
+                    leaf = leaf.clone()
+                leaf.requires_grad_(True)
+                copies.add(id(leaf))
+                if clone:
+                    leaf = leaf.clone()
+                    self.timer.claimed.add(leaf.grad_fn)
+            return leaf
+
+        copied_args, copied_kwargs = pytree.tree_map(detach, (list(args), kwargs))
+        self.timer.skip_leaves = copies
+        with torch.enable_grad():
+            out = self.measure_op(rec, vid, lambda: inner(*copied_args, **copied_kwargs), labels, None)
+        outputs = [t for t in _tensors(out) if t.requires_grad]
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         rec.resolve(self.clock)
@@ -503,19 +602,39 @@ def _batch_dependence(traced: Traced, module: nn.Module, inputs: tuple[Any, ...]
     if not batch:
         return structural
     small_inputs, small_kwargs, _ = _other_batch(inputs, kwargs, batch)
-    recorder = ValueRecorder(traced.runner)
     try:
         with preserved_state(module, [device]), torch.no_grad():
-            recorder.run(*traced.call_args(small_inputs, small_kwargs))
+            small_numel = _numel_per_node(traced, module, small_inputs, small_kwargs)
     except Exception:  # a model that fixes its batch size: keep the structural answer
         return structural
-    vertex_of = {name: vid for name, vid in traced.charge.items()
-                 if vid in graph and (traced.kind == "chain" or name == vid)}
+    vertex_of = {name: vid for name, vid in traced.charge.items() if vid in graph and name == vid}
     result = dict(structural)
     for name, vid in vertex_of.items():
-        if name in recorder.numel and vid in numel:
-            result[vid] = structural[vid] and recorder.numel[name] != numel[vid]
+        if name in small_numel and vid in numel:
+            result[vid] = structural[vid] and small_numel[name] != numel[vid]
     return result
+
+
+def _numel_per_node(traced: Traced, module: nn.Module, inputs: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> dict[str, int]:
+    """Elements of each fx node's value, or of each vertex submodule's output (fallback:
+    forward hooks while the model's own forward runs)."""
+    if traced.kind != CHILDREN:
+        recorder = ValueRecorder(traced.runner)
+        recorder.run(*traced.call_args(inputs, kwargs))
+        return recorder.numel
+    found: dict[str, int] = {}
+    handles = [
+        child.register_forward_hook(
+            lambda mod, args, out, name=name: found.setdefault(name, sum(t.numel() for t in _tensors(out))))
+        for name, child in traced.children
+    ]
+    try:
+        module(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def profile_module(
@@ -547,17 +666,25 @@ def profile_module(
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
-    if device.type == "cpu":
-        # The CPU meter needs every large buffer in its own mapping from the first
-        # allocation on, or freed heap memory is reused unseen (docs/design.md section 6).
-        set_mmap_threshold()
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
     input_tensors = _tensors(list(inputs) + list(kwargs.values()))
     batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
     grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
     excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
-    args = traced.call_args(inputs, kwargs)
+    if traced.kind == CHILDREN:
+
+        def make(safe_mode: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
+            profiler = _SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds, meter)
+            return profiler, lambda: profiler.run(inputs, kwargs)
+    else:
+        args = traced.call_args(inputs, kwargs)
+
+        def make(safe_mode: bool = False, rounds: int = 1,
+                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
+            profiler = _Profiler(traced, device, excluded, safe_mode, rounds, meter)
+            return profiler, lambda: profiler.run(*args)
 
     meta = traced.graph.meta.copy()
     meta.batch_size = batch
@@ -573,8 +700,7 @@ def profile_module(
             try:
                 meta.plain_peak_bytes, meta.step_seconds = _plain_steps(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup, repeats)
-                records = _profile_steps(traced, args, loss_fn, device, excluded, grad_holders,
-                                         warmup, repeats)
+                records = _profile_steps(make, loss_fn, grad_holders, warmup, repeats, device)
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -590,7 +716,7 @@ def profile_module(
         if safe:
             meta.plain_peak_bytes = None
             meta.step_seconds = None
-            records = _profile_safe(traced, args, device, excluded, grad_holders, warmup, repeats)
+            records = _profile_safe(make, grad_holders, warmup, repeats, device)
         _clear_grads(grad_holders)
         first = records[0]
         meta.batch_dependent = _batch_dependence(traced, module, inputs, kwargs, batch,
@@ -656,30 +782,39 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
     return int(peak), statistics.median(seconds)
 
 
-def _profile_steps(traced: Traced, args: list[Any], loss_fn: LossFn, device: torch.device,
-                   excluded: set[int], grad_holders: list[torch.Tensor], warmup: int,
-                   repeats: int) -> list[_Record]:
-    """Normal mode: whole steps through the node-by-node interpreter."""
-    records = []
-    for k in range(warmup + repeats):
-        profiler = _Profiler(traced, device, excluded)
-        loss = loss_fn(profiler.run(*args))
+def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss_fn: LossFn,
+                   grad_holders: list[torch.Tensor], warmup: int, repeats: int,
+                   device: torch.device) -> list[_Record]:
+    """Normal mode: whole steps, each op measured as the forward reaches it. On the CPU the
+    workspaces come from one more step under the storage meter, so its per-op cost is in
+    no timing."""
+
+    def step(meter: StorageMeter | None = None) -> _Record:
+        profiler, run = make(meter=meter)
+        loss = loss_fn(run())
         _backward(loss)
         profiler.record.resolve(profiler.clock)
         profiler.timer.clear()
         del loss
         _clear_grads(grad_holders)
-        if k >= warmup:
-            records.append(profiler.record)
+        return profiler.record
+
+    records = [step() for _ in range(warmup + repeats)][warmup:]
+    if device.type != "cuda":
+        with StorageMeter(device.type) as meter:
+            metered = step(meter)
+        records[0].ws_fwd, records[0].ws_bwd = metered.ws_fwd, metered.ws_bwd
     return records
 
 
-def _profile_safe(traced: Traced, args: list[Any], device: torch.device, excluded: set[int],
-                  grad_holders: list[torch.Tensor], warmup: int, repeats: int) -> list[_Record]:
+def _profile_safe(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]],
+                  grad_holders: list[torch.Tensor], warmup: int, repeats: int,
+                  device: torch.device) -> list[_Record]:
     """Memory-safe mode: one no-grad forward; each op measured alone ``warmup + repeats``
     times (forward and backward), its activations dropped before the next op."""
-    profiler = _Profiler(traced, device, excluded, safe=True, rounds=warmup + repeats)
-    with torch.no_grad():
-        profiler.run(*args)
+    meter = StorageMeter(device.type) if device.type != "cuda" else None
+    profiler, run = make(True, warmup + repeats, meter)
+    with meter if meter is not None else nullcontext(), torch.no_grad():
+        run()
     _clear_grads(grad_holders)
     return profiler.records[warmup:]

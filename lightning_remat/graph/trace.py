@@ -22,11 +22,14 @@ Which fx nodes are vertices is found by running the traced module once on the ex
 Meta: ``input_consumers``, ``outputs``, ``param_bytes`` (see :mod:`lightning_remat.graph.ir`)
 and ``shape_edges`` (``[[u, v], ...]``).
 
-When fx cannot trace the module (data-dependent control flow, unsupported Python), or its
-graph does not reproduce ``module(x)`` on the example input, the fallback is the chain of
-top-level children, valid only if running them in order reproduces ``module(x)``; a
-``UserWarning`` says why fx failed. When neither works, :class:`TraceError` names the module
-class and both reasons.
+When fx cannot trace the module (data-dependent control flow, iteration over a tensor, a
+call that needs a tensor's value, ``*args``/``**kwargs``), or its graph does not reproduce
+``module(x)`` on the example input, no forward is rebuilt: the model's own forward keeps
+running, with its control flow, and the submodules it calls exactly once become the vertices
+(kind ``"children"``), to be checkpointed where the forward calls them
+(:mod:`lightning_remat.runtime.hooked`). A ``UserWarning`` says why fx failed. When the
+forward calls no submodule once (or fails on the example input), :class:`TraceError` names
+the module class, what fx rejected and why the fallback cannot apply.
 """
 
 from __future__ import annotations
@@ -47,14 +50,21 @@ from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 
-__all__ = ["Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "trace_module"]
+__all__ = ["CHILDREN", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "trace_module"]
+
+
+CHILDREN = "children"
+"""``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
 
 
 @dataclass
 class Traced:
-    """A traced module: the fx graph (or the chain of children) and the IR graph (zero costs).
+    """A traced module: the fx graph (or the submodules of the fallback) and the IR graph
+    (zero costs).
 
-    ``gm`` is None for the chain fallback; ``children`` lists ``(name, module)`` there.
+    ``gm`` is None for the fallback (kind ``"children"``); ``children`` lists the
+    ``(qualified name, module)`` of the submodules its forward calls once, in call order,
+    and ``repeated`` the names of those it calls more than once (they run as they are).
     ``charge`` maps every fx node that computes something (every ``call_*`` node with tensor
     outputs) to the vertex id its time and saved bytes are charged to: a vertex to itself, a
     tuple-producing node to its first ``getitem`` vertex. ``call_args`` turns the example
@@ -67,29 +77,23 @@ class Traced:
     children: list[tuple[str, nn.Module]] = field(default_factory=list)
     charge: dict[str, str] = field(default_factory=dict)
     fx_failure: str = ""
-    """Why fx was not used (chain fallback only)."""
-    _runner: fx.GraphModule | None = field(default=None, repr=False)
+    """Why fx was not used (fallback only)."""
+    repeated: list[str] = field(default_factory=list)
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def runner(self) -> fx.GraphModule:
-        """A GraphModule that runs the forward node by node: ``gm``, or for the chain
-        fallback a graph that calls the children in order (nodes named after the children's
-        vertex ids through :attr:`charge`)."""
-        if self.gm is not None:
-            return self.gm
-        assert self._runner is not None
-        return self._runner
+        """The GraphModule that runs the forward node by node (fx only: the fallback runs
+        the model's own forward)."""
+        if self.gm is None:
+            raise TraceError(f"no fx graph: the module could not be traced ({self.fx_failure})")
+        return self.gm
 
     def call_args(self, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Positional arguments for :attr:`runner` from the module's inputs."""
         inputs = list(as_tuple(example_inputs))
         kwargs = dict(example_kwargs or {})
-        if self.gm is None:
-            if kwargs:
-                raise TraceError("the chain fallback takes positional inputs only")
-            return inputs
         args = list(inputs)
         for name in self._signature_names[len(inputs):]:
             if name in kwargs:
@@ -118,9 +122,7 @@ def default_loss(outputs: Any) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
     ]
     if not terms:
-        raise ValueError(
-            "the module's output holds no floating tensor to build a loss from; pass loss_fn="
-        )
+        raise ValueError("the module's output holds no floating tensor to build a loss from; pass loss_fn=")
     total = terms[0]
     for term in terms[1:]:
         total = total + term
@@ -380,58 +382,81 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     return traced
 
 
-# ---- chain fallback --------------------------------------------------------------------------
+# ---- fallback: the model's own forward, its submodules checkpointed in place --------------
 
 
-def chain_graph_module(module: nn.Module, children: list[tuple[str, nn.Module]], n_inputs: int) -> tuple[fx.GraphModule, dict[str, str]]:
-    """A GraphModule calling the children in order; its node names map to child names."""
-    graph = fx.Graph()
-    args = [graph.placeholder(f"input_{i}") for i in range(n_inputs)]
-    value: Any = None
-    charge: dict[str, str] = {}
-    for k, (name, _) in enumerate(children):
-        value = graph.call_module(name, tuple(args) if k == 0 else (value,))
-        charge[value.name] = name
-    graph.output(value)
-    return fx.GraphModule(module, graph), charge
+def _called_submodules(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                       devices: list[torch.device]) -> tuple[list[str], list[str]]:
+    """Run ``module``'s own forward once (no grad, state restored) and return (the
+    submodules it calls exactly once, in call order; those it calls more than once). A
+    submodule never called itself (a ``ModuleList``, a branch not taken) is looked into."""
+    calls: dict[str, int] = {}
+    order: list[str] = []
 
+    def counter(name: str) -> Any:
+        def pre_hook(mod: nn.Module, args: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            if calls[name] == 1:
+                order.append(name)
+        return pre_hook
 
-def _trace_chain(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]) -> Traced:
-    children = list(module.named_children())
-    if not children:
-        raise RuntimeError("the module has no child modules to chain")
-    if kwargs:
-        raise RuntimeError("the chain of children takes positional inputs only, and keyword inputs were given")
-
-    def run_chain() -> Any:
-        value = children[0][1](*inputs)
-        for _, child in children[1:]:
-            value = child(value)
-        return value
-
+    handles = [m.register_forward_pre_hook(counter(name))
+               for name, m in module.named_modules() if name]
     try:
-        expected, got = _compare_runs(module, lambda: module(*inputs), run_chain, devices)
+        with preserved_state(module, devices), torch.no_grad():
+            module(*inputs, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    units: list[str] = []
+    repeated: list[str] = []
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for name, child in parent.named_children():
+            qualified = prefix + name
+            count = calls.get(qualified, 0)
+            if count == 1:
+                units.append(qualified)
+            elif count == 0:
+                visit(child, qualified + ".")
+            else:
+                repeated.append(qualified)
+
+    visit(module, "")
+    position = {name: k for k, name in enumerate(order)}
+    return sorted(units, key=position.__getitem__), repeated
+
+
+def _trace_children(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                    devices: list[torch.device]) -> Traced:
+    """The fallback's graph: one vertex per submodule the forward calls once, in call
+    order, each feeding the next (docs/design.md section 2). The forward itself is not
+    rebuilt: :mod:`lightning_remat.runtime.hooked` runs the model's own forward and wraps
+    these submodules where it calls them."""
+    try:
+        unit_names, repeated = _called_submodules(module, inputs, kwargs, devices)
     except Exception as exc:
-        raise RuntimeError(f"running the children in order fails: {type(exc).__name__}: {exc}") from exc
-    if not _same(expected, got):
-        raise RuntimeError("running the children in order does not reproduce module(x)")
-    runner, charge = chain_graph_module(module, children, len(inputs))
-    nodes = [Node(id=name, op=type(child).__name__) for name, child in children]
-    edges = [(a, b) for (a, _), (b, _) in zip(children, children[1:])]
-    counted: set[int] = set()
+        raise RuntimeError(f"its forward fails on the example input ({type(exc).__name__}: {exc})") from exc
+    if not unit_names:
+        raise RuntimeError(
+            "its forward calls none of its submodules exactly once, so there is nothing to "
+            "checkpoint where the forward calls it"
+            + (f" ({', '.join(repeated)} called more than once)" if repeated else "")
+        )
+    units = [(name, module.get_submodule(name)) for name in unit_names]
+    nodes = [Node(id=name, op=type(child).__name__) for name, child in units]
+    edges = [(a, b) for (a, _), (b, _) in zip(units, units[1:])]
+    counted: set[int] = set()  # a parameter shared by two submodules counts once
     param_bytes: dict[str, int] = {}
-    for name, child in children:
-        total = 0
-        for p in child.parameters():
-            if id(p) not in counted:
-                counted.add(id(p))
-                total += p.numel() * p.element_size()
-        if total:
-            param_bytes[name] = total
-    meta = GraphMeta(input_consumers=[children[0][0]], outputs=[children[-1][0]],
+    for name, child in units:
+        new = [p for p in child.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in new)
+        if new:
+            param_bytes[name] = sum(p.numel() * p.element_size() for p in new)
+    meta = GraphMeta(input_consumers=[units[0][0]], outputs=[units[-1][0]],
                      param_bytes=param_bytes, shape_edges=[])
-    return Traced(gm=None, graph=Graph(nodes, edges, meta), kind="chain", children=children,
-                  charge=charge, _runner=runner)
+    return Traced(gm=None, graph=Graph(nodes, edges, meta), kind=CHILDREN, children=units,
+                  charge={name: name for name, _ in units}, repeated=repeated)
 
 
 def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Traced:
@@ -439,8 +464,8 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
 
     ``example_inputs`` is a tensor or a tuple of positional inputs; ``example_kwargs`` the
     keyword inputs. Forward arguments not given keep their defaults and are specialised.
-    Falls back to the chain of top-level children (with a ``UserWarning``) when fx fails;
-    raises :class:`~lightning_remat.errors.TraceError` when that fails too.
+    Falls back to the submodules the forward calls (with a ``UserWarning``) when fx fails;
+    raises :class:`~lightning_remat.errors.TraceError` when that cannot apply either.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
@@ -454,19 +479,20 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
         fx_reason = f"{type(exc).__name__}: {exc}".strip()
     try:
-        traced = _trace_chain(module, inputs, kwargs, devices)
+        traced = _trace_children(module, inputs, kwargs, devices)
     except Exception as exc:
-        chain_reason = str(exc)
         raise TraceError(
-            f"cannot trace {type(module).__name__}: torch.fx failed ({fx_reason}); "
-            f"the chain fallback failed too ({chain_reason}). Make forward fx-traceable "
-            "(move data-dependent control flow into a leaf module) or write the model as a "
-            "sequence of children"
+            f"cannot trace {type(module).__name__}: torch.fx rejected its forward ({fx_reason}), "
+            f"and it cannot be checkpointed in place: {exc}. Make forward fx-traceable (move "
+            "the data-dependent part into a submodule) or call each part as a submodule once"
         ) from None
     traced.fx_failure = fx_reason
+    note = (f"; {', '.join(traced.repeated)} run as they are (called more than once)"
+            if traced.repeated else "")
     warnings.warn(
-        f"torch.fx could not trace {type(module).__name__} ({fx_reason}); using the chain of "
-        f"its {len(traced.children)} top-level children instead, one vertex per child",
+        f"torch.fx could not trace {type(module).__name__} ({fx_reason}); its own forward "
+        f"runs, with the {len(traced.children)} submodules it calls checkpointed where it "
+        f"calls them, one vertex each{note}",
         UserWarning,
         stacklevel=2,
     )

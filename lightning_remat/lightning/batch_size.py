@@ -16,6 +16,10 @@ Conventions follow ``pytorch_lightning.callbacks.BatchSizeFinder``: ``batch_arg_
 names an attribute of the model, its ``hparams`` or the datamodule (found with Lightning's
 ``lightning_hasattr``), the search runs in ``on_fit_start`` and the largest feasible size is
 written back with ``lightning_setattr``.
+
+Length: the trial, its verdict and the callback that drives it read the same Trainer
+internals (the fit loop's data source, the precision plugin, the optimizers); apart, each
+would import the other's private helpers.
 """
 
 from __future__ import annotations
@@ -216,6 +220,22 @@ class LightningTrial:
             return
         loss.backward()
 
+    def _measured_step(self, batch: Any, started: list[float]) -> tuple[int, int]:
+        """One step inside the meter: (its measured peak, the bytes of the parameter
+        gradients it allocated). The gradients are live when the step ends, so a true
+        reading is never below them (docs/design.md section 6)."""
+        without_grad = [p for p in self.model.parameters() if p.grad is None]
+
+        def step() -> None:
+            started[0] = time.perf_counter()
+            self._step(batch)
+
+        peak = peak_bytes(step, self.device)
+        grad_bytes = sum(
+            p.grad.numel() * p.grad.element_size() for p in without_grad if p.grad is not None
+        )
+        return peak, grad_bytes
+
     def _optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.model.automatic_optimization:
             for opt in optimizers:
@@ -243,6 +263,7 @@ class LightningTrial:
                 forward = planner
             peaks: list[int] = []
             seconds: list[float] = []
+            grad_bytes = 0
             with _forward_replaced(self.target, forward):
                 # One unmeasured step first: the first run of a kernel at a new shape
                 # allocates lasting caches (oneDNN primitives, cuDNN workspaces, the
@@ -251,12 +272,9 @@ class LightningTrial:
                 self._optimizer_step(optimizers)
                 for _ in range(self.steps_per_trial):
                     started = [0.0]
-
-                    def measured_step(batch: Any = batch, started: list[float] = started) -> None:
-                        started[0] = time.perf_counter()
-                        self._step(batch)
-
-                    peaks.append(peak_bytes(measured_step, self.device))
+                    peak, step_grad_bytes = self._measured_step(batch, started)
+                    peaks.append(peak)
+                    grad_bytes = max(grad_bytes, step_grad_bytes)
                     self._optimizer_step(optimizers)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
@@ -264,8 +282,7 @@ class LightningTrial:
             del batch
         peak = max(peaks)
         step_seconds = sorted(seconds)[len(seconds) // 2]  # median
-        feasible = self.budget_bytes is None or peak <= self.budget_bytes
-        reason = "" if feasible else f"measured peak {peak} B over the budget {self.budget_bytes} B"
+        feasible, reason = _verdict(peak, grad_bytes, self.budget_bytes)
         return TrialResult(
             feasible=feasible, peak_bytes=peak, seconds=step_seconds, reason=reason,
             predicted_extra_seconds=planned.plan.predicted_extra_seconds if planned else 0.0,
@@ -462,6 +479,30 @@ class RematBatchSizeFinder(Callback):
         if self._early_exit:
             raise _TunerExitException()
         return self.report
+
+
+def _verdict(peak: int, grad_bytes: int, budget_bytes: int | None) -> tuple[bool, str]:
+    """(feasible, reason) for a trial's measured peak. A peak of zero, or one below the
+    parameter gradients the step allocated (live when it ends), is a failed measurement:
+    never a fit. The gradients alone decide against a budget below them; otherwise the
+    trial cannot be judged and the search stops rather than record a guess."""
+    if budget_bytes is not None and grad_bytes > budget_bytes:
+        return False, (f"the step's parameter gradients alone take {grad_bytes} B, over the "
+                       f"budget {budget_bytes} B (no plan removes them)")
+    if peak <= 0 or peak < grad_bytes:
+        raise MeasurementError(
+            f"the meter read a peak of {peak} B for a step that allocates {grad_bytes} B of "
+            "parameter gradients: a failed measurement, not a fit. Run the search again; if "
+            "it recurs, report it with the model"
+        )
+    if budget_bytes is None or peak <= budget_bytes:
+        return True, ""
+    return False, f"measured peak {peak} B over the budget {budget_bytes} B"
+
+
+class MeasurementError(RuntimeError):
+    """The meter gave a reading no training step can have (zero, or below the parameter
+    gradients the step allocated)."""
 
 
 def _absolute_budget(budget: int | float | str | None) -> int | None:

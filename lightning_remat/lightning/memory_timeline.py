@@ -47,6 +47,7 @@ class MemoryTimelineLogger(pl.Callback):
         self._logged_plans: set[int] = set()
         self._t0 = 0.0
         self._base = 0
+        self._meter: meter.StorageMeter | None = None
         self._layout_written = False
 
     # ---- helpers ------------------------------------------------------------------------
@@ -69,12 +70,22 @@ class MemoryTimelineLogger(pl.Callback):
             torch.cuda.synchronize(device)
             self._base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        else:
-            meter.set_mmap_threshold()
-            meter.trim_heap()  # heap memory freed before would be reused unseen
-            meter.reset_high_water_mark()
-            self._base = meter.resident_bytes()
+        else:  # the tensor storage the step creates (docs/design.md section 6)
+            self._stop_meter()
+            self._meter = meter.StorageMeter(torch.device(device).type)
+            self._meter.__enter__()
         self._t0 = time.perf_counter()
+
+    def _stop_meter(self) -> int:
+        """Leave the CPU step's meter (if one is running); its peak."""
+        running, self._meter = self._meter, None
+        if running is None:
+            return 0
+        running.__exit__(None, None, None)
+        return running.peak
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._stop_meter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         device = pl_module.device
@@ -83,7 +94,7 @@ class MemoryTimelineLogger(pl.Callback):
             peak = torch.cuda.max_memory_allocated(device) - self._base
             reserved = torch.cuda.memory_reserved(device)
         else:
-            peak = meter.high_water_mark() - self._base
+            peak = self._stop_meter()
             reserved = None
         seconds = time.perf_counter() - self._t0
         writer = self._writer(trainer)

@@ -32,6 +32,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.trace import CHILDREN, Traced
+from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks
 from lightning_remat.runtime.stages import (
     CompiledStages,
@@ -42,7 +44,8 @@ from lightning_remat.runtime.stages import (
 )
 from lightning_remat.solvers.plan import Plan, Stage
 
-__all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_variant"]
+__all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_traced_variant",
+           "build_variant"]
 
 OffloadHooksFactory = Callable[[int, Stage], contextlib.AbstractContextManager]
 """Called as ``factory(stage_index, stage)``; returns the context (saved-tensor hooks)
@@ -56,7 +59,8 @@ class Variant:
     """One traced form of the forward under one plan."""
 
     plan: Plan
-    stages: CompiledStages
+    stages: CompiledStages | None
+    """The generated stage programs (None for the tracing fallback: see ``hooked``)."""
     signature: inspect.Signature
     """The signature callers use (the original forward's where it lines up)."""
     graph: Graph | None = None
@@ -65,6 +69,9 @@ class Variant:
     """The budget the plan was made for (None: no limit)."""
     from_cache: bool = False
     """Whether the plan came from the plan cache or a checkpoint rather than a new solve."""
+    hooked: SubmoduleCheckpointing | None = None
+    """For a model fx could not trace: its own forward, its submodules checkpointed in place
+    (:mod:`lightning_remat.runtime.hooked`)."""
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """The call's arguments in the traced order, defaults filled in."""
@@ -145,7 +152,11 @@ class RematModule(nn.Module):
 
     def stage_sources(self) -> list[str]:
         """The generated code of each stage (for inspection and debugging)."""
-        return [p.source for p in self.current.stages.programs]
+        variant = self.current
+        if variant.hooked is not None:
+            return variant.hooked.sources()
+        assert variant.stages is not None
+        return [p.source for p in variant.stages.programs]
 
     def set_variant_selector(self, selector: VariantSelector | None) -> None:
         """Install ``selector`` to pick the variant for each call (None: always run the
@@ -183,7 +194,13 @@ class RematModule(nn.Module):
         return self._run(self.current, args, kwargs)
 
     def _run(self, variant: Variant, args: tuple, kwargs: dict) -> Any:
+        if variant.hooked is not None:
+            # The root is not a child of this module: its own flag follows ours.
+            variant.hooked.root.training = self.training
+            return variant.hooked.run(self.training and torch.is_grad_enabled(), args, kwargs,
+                                      self._remat_offload_factory)
         stages = variant.stages
+        assert stages is not None
         env: dict[str, Any] = {}
         for (node_name, _), value in zip(stages.placeholders, variant.bind(args, kwargs)):
             env[node_name] = value
@@ -242,6 +259,20 @@ def build_variant(
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     stages = compile_stages(gm.graph, plan, owner, charge)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
+
+
+def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: nn.Module) -> Variant:
+    """``plan`` compiled for ``owner`` to run ``root`` as :func:`trace_module` traced it: the
+    fx graph stage by stage, or for the fallback ``root``'s own forward with its submodules
+    checkpointed in place."""
+    if traced.kind == CHILDREN:
+        try:
+            signature = inspect.signature(root.forward)
+        except (TypeError, ValueError):
+            signature = inspect.Signature()
+        return Variant(plan=plan, stages=None, signature=signature,
+                       hooked=SubmoduleCheckpointing(root, plan))
+    return build_variant(traced.runner, plan, owner, root, traced.charge)
 
 
 def apply_plan(

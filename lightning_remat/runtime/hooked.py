@@ -1,0 +1,168 @@
+"""The executor of the tracing fallback: the model's own forward, its submodules checkpointed
+where it calls them (docs/design.md section 5).
+
+When ``torch.fx`` cannot trace a model (data-dependent control flow and the like), nothing
+may stand in for its forward: a rebuilt one is only checked on the example input. Here the
+model's own ``forward`` runs, with all its control flow, and each submodule that is a vertex
+of the plan (:func:`lightning_remat.graph.trace.trace_module`, kind ``"children"``) has an
+instance-level ``forward`` (:class:`CheckpointedForward`) that runs the submodule's own
+forward under the action its stage has, as
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``
+does, but without a wrapper module: no ``_checkpoint_wrapped_module`` in the state_dict keys,
+the same Parameter objects. Outside a planned forward (the original module called directly,
+``eval()``, ``no_grad``) the submodules run as they are.
+
+- ``recompute``: non-reentrant ``torch.utils.checkpoint`` with the RNG state replayed
+  (``preserve_rng_state=True``) and the submodule's buffers (BatchNorm running statistics)
+  restored around the recomputation, so they are updated once per step;
+- ``offload``: under the module's saved-tensor hooks;
+- ``keep``: plainly.
+
+Each checkpointed submodule keeps its own input, so a plan here has one vertex per stage:
+:func:`per_submodule_plan` turns a solver's plan into that form and scores it with the
+simulator, so the predicted peak describes what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers import fits
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.simulate import make_plan
+
+__all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "per_submodule_plan"]
+
+OffloadContext = Callable[[int, Stage], contextlib.AbstractContextManager]
+
+
+class RestoreBuffers:
+    """Entered around a recomputation: puts the submodule's buffers back as they were when
+    it began (as :class:`~lightning_remat.runtime.stages.RestoreNormStatistics` does for a
+    stage), so the forward's single update of the running statistics stands."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.snapshot = [(b, b.detach().clone()) for b in self.module.buffers()]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.snapshot:
+                buffer.copy_(saved)
+        self.snapshot = []
+
+
+class CheckpointedForward:
+    """The instance-level ``forward`` of a submodule: runs its own forward (the class's, or
+    the instance-level one it replaced) under the action the running plan gives it.
+    ``action`` is None outside a planned forward."""
+
+    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.inner = inner
+        self.action: str | None = None
+        self.stage_index = 0
+        self.stage: Stage | None = None
+        self.offload: OffloadContext | None = None
+
+    def own_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        action = self.action
+        if action == "recompute" and torch.is_grad_enabled():
+            module = self.module
+            return torch.utils.checkpoint.checkpoint(
+                self.own_forward, *args, use_reentrant=False, preserve_rng_state=True,
+                context_fn=lambda: (contextlib.nullcontext(), RestoreBuffers(module)),
+                **kwargs,
+            )
+        if action == "offload" and torch.is_grad_enabled() and self.offload is not None:
+            assert self.stage is not None
+            with self.offload(self.stage_index, self.stage):
+                return self.own_forward(*args, **kwargs)
+        return self.own_forward(*args, **kwargs)
+
+
+def _install(module: nn.Module) -> CheckpointedForward:
+    current = module.__dict__.get("forward")
+    if isinstance(current, CheckpointedForward) and current.module is module:
+        return current
+    wrapper = CheckpointedForward(module, current)
+    module.forward = wrapper  # type: ignore[method-assign]
+    return wrapper
+
+
+class SubmoduleCheckpointing:
+    """Runs ``root``'s own forward under ``plan``, whose vertices are ``root``'s submodules
+    (qualified names)."""
+
+    def __init__(self, root: nn.Module, plan: Plan) -> None:
+        self.root = root
+        self.plan = plan
+        stage_of = plan.stage_of()
+        self.actions = {name: (plan.stages[k].action, k) for name, k in stage_of.items()}
+
+    @contextlib.contextmanager
+    def _active(self, training: bool, offload: OffloadContext | None) -> Iterator[None]:
+        wrappers = []
+        for name, (action, k) in self.actions.items():
+            wrapper = _install(self.root.get_submodule(name))
+            wrapper.action = action if training else None
+            wrapper.stage_index, wrapper.stage, wrapper.offload = k, self.plan.stages[k], offload
+            wrappers.append(wrapper)
+        try:
+            yield
+        finally:
+            for wrapper in wrappers:
+                wrapper.action = None
+
+    def run(self, training: bool, args: tuple, kwargs: dict,
+            offload: OffloadContext | None = None) -> Any:
+        """``root``'s class forward (never an instance-level one: that may be whatever
+        called this) with the plan's actions in force when ``training``."""
+        with self._active(training, offload):
+            return type(self.root).forward(self.root, *args, **kwargs)
+
+    def sources(self) -> list[str]:
+        return [f"{name}: {action}" for name, (action, _) in self.actions.items()]
+
+
+def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Plan:
+    """``plan`` with one vertex per stage, as the fallback runs it, scored by the simulator.
+    When that no longer fits the budget, the least recomputation that does: every vertex
+    recomputed, then, by decreasing forward time, kept again wherever it still fits. Raises
+    :class:`~lightning_remat.errors.RematInfeasibleError` when even that does not fit."""
+    actions = plan.action_of()
+    split = make_plan(graph, [Stage([v], actions.get(v, "keep")) for v in graph.ids],
+                      plan.solver, budget_bytes)
+    if fits(split, budget_bytes):
+        return split
+    chosen = {v: "recompute" for v in graph.ids}
+    best = make_plan(graph, [Stage([v], chosen[v]) for v in graph.ids], plan.solver, budget_bytes)
+    if not fits(best, budget_bytes):
+        raise RematInfeasibleError(budget_bytes or 0, best.predicted_peak_bytes,
+                                   f"{plan.solver}, each submodule checkpointed on its own "
+                                   "(the model could not be traced)")
+    for v in sorted(graph.ids, key=lambda v: -graph[v].t_fwd):
+        chosen[v] = "keep"
+        trial = make_plan(graph, [Stage([u], chosen[u]) for u in graph.ids], plan.solver,
+                          budget_bytes)
+        if fits(trial, budget_bytes):
+            best = trial
+        else:
+            chosen[v] = "recompute"
+    return best
