@@ -3,8 +3,12 @@ Lightning strategies and the batch-size search.
 
 For a call whose input key (:func:`input_key`) is new, :class:`Planner` traces the module,
 takes the plan restored from a checkpoint or the plan cache when there is one, or else
-profiles the module on its device, turns the budget into bytes and solves; under DDP rank
-zero plans and every rank applies its plan (``broadcast``). The plan is compiled into a
+profiles the module on its device, turns the budget into bytes and solves. Under DDP
+(:class:`Ranks`) the ranks first agree, at every training call, whether any rank meets a
+key it has no plan for; if one does, they gather the keys, the lowest rank holding each new
+key plans it and broadcasts the plan, and every rank applies the plan made for its own key.
+No collective is ever called by some ranks only (a short last batch or a per-rank padding
+gives ranks different keys). The plan is compiled into a
 variant of one :class:`~lightning_remat.runtime.module.RematModule`, which then runs every
 call with that key.
 
@@ -12,7 +16,7 @@ A budget given as a fraction (``"60%"``, ``0.6``) is a fraction of the plain ste
 profiled peak for the input being planned: each new input shape is held to its own share.
 ``None`` is the device's free memory less a margin on CUDA and no limit elsewhere.
 
-This module holds no Lightning code; the strategy passes in its broadcast and a callback.
+This module holds no Lightning code; the strategy passes in its :class:`Ranks` and a callback.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -46,7 +50,10 @@ from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
-__all__ = ["InputKey", "PlanSettings", "Planned", "Planner", "input_key", "plain_peak_bytes", "remat"]
+__all__ = [
+    "DistributedRanks", "InputKey", "PlanSettings", "Planned", "Planner", "Ranks", "input_key",
+    "plain_peak_bytes", "remat",
+]
 
 InputKey = tuple
 """What a plan depends on in a call: every tensor's shape, dtype and device type, every
@@ -114,6 +121,57 @@ def solver_options(solver: str, device: torch.device, offload: bool = True) -> d
     if solver != "auto":
         return {}
     return {"allow_offload": offload and torch.device(device).type == "cuda"}
+
+
+class Ranks(Protocol):
+    """The collectives the planner needs from a group of data-parallel processes. Every
+    method is a collective: every rank calls it, in the same order."""
+
+    rank: int
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        ...
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        ...
+
+
+class DistributedRanks:
+    """:class:`Ranks` over ``torch.distributed``'s default process group.
+
+    The agreement runs on a gloo group on the host, so the per-call check costs no device
+    synchronisation; with a gloo default group that group is used as it is."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self._group = None
+        if dist.get_backend() != "gloo":
+            # CUDA only (NCCL): a host-side group for the plan exchange; every rank creates it.
+            self._group = dist.new_group(backend="gloo")
+
+    def any(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(value.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._dist.get_world_size(self._group)
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
 
 
 @dataclass(frozen=True)
@@ -198,10 +256,12 @@ class Planner:
     """Plans ``module`` once per input key and runs every call through the plan for its key.
 
     ``cache``: plans on disk, looked up before profiling. ``restored``: graph and plan JSON
-    by ``repr(input key)`` (from a checkpoint), used before the cache. ``broadcast(obj)``:
-    rank zero's object on every rank (DDP); only rank zero profiles and solves.
-    ``on_plan(planned)``: called after each new plan. ``keep_example``: keep each planned
-    call on the host for :meth:`Planned.measure_timeline`.
+    by ``repr(input key)`` (from a checkpoint; every rank holds the same), used before the
+    cache. ``ranks``: the data-parallel group (DDP): the ranks agree at every training call
+    whether a key is new anywhere, the lowest rank holding a new key profiles and solves it,
+    and every rank applies the plan for its own key. ``on_plan(planned)``: called after each
+    new plan. ``keep_example``: keep each planned call on the host for
+    :meth:`Planned.measure_timeline`.
     """
 
     def __init__(
@@ -211,7 +271,7 @@ class Planner:
         *,
         cache: PlanCache | None = None,
         restored: dict[str, tuple[str, str]] | None = None,
-        broadcast: Callable[[Any], Any] | None = None,
+        ranks: Ranks | None = None,
         on_plan: Callable[[Planned], None] | None = None,
         keep_example: bool = False,
     ) -> None:
@@ -219,10 +279,12 @@ class Planner:
         self.settings = settings or PlanSettings()
         self.cache = cache
         self.restored = restored if restored is not None else {}
-        self.broadcast = broadcast
+        self.ranks = ranks
         self.on_plan = on_plan
         self.keep_example = keep_example
         self.planned: dict[InputKey, Planned] = {}
+        self.agreed: dict[str, tuple[str, str, bool]] = {}
+        """Plans other ranks made for keys this rank has not met yet, by ``repr(key)``."""
         self.last: Planned | None = None
         """The plan of the latest training call."""
         self.busy = False
@@ -242,23 +304,36 @@ class Planner:
         return input_key(self._signature, args, kwargs)
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
-        """The plan for this call's inputs, made now if they are new."""
+        """The plan for this call's inputs, made now if they are new. Under DDP a
+        collective: every rank calls it once per training call."""
         key = self.key(args, kwargs)
         entry = self.planned.get(key)
+        needs_plan = entry is None and repr(key) not in self.restored and repr(key) not in self.agreed
+        if self.ranks is not None and self.ranks.any(needs_plan):
+            self._agree(args, kwargs, key if needs_plan else None)
+            entry = self.planned.get(key)
         if entry is not None:
             return entry
+        return self._add(args, kwargs, key, self._plan_locally)
+
+    def _add(self, args: tuple, kwargs: dict, key: InputKey,
+             make: Callable[[tuple, dict, InputKey, Any], tuple[Graph, Plan, bool]],
+             stacklevel: int = 7) -> Planned:
+        """Plan ``key`` (``make`` gives the graph, plan and whether it came from a store) and
+        make it the variant its calls run."""
         if self.planned and not self._warned:
             previous = next(reversed(self.planned))
             warnings.warn(
                 "lightning_remat: the inputs differ from the ones the plan was made for "
                 f"(shapes {shapes_of(previous)} -> {shapes_of(key)}, or non-tensor arguments); "
                 "re-planning for them (each new input is planned once and cached)",
-                stacklevel=6,  # the caller of the module: planned_for < _select < forward < nn.Module
+                # The caller of the module: _add < planned_for < _select < forward < nn.Module x2.
+                stacklevel=stacklevel,
             )
             self._warned = True
         self.busy = True
         try:
-            entry = self._plan(args, kwargs, key)
+            entry = self._plan(args, kwargs, key, make)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -266,6 +341,47 @@ class Planner:
         if self.on_plan is not None:
             self.on_plan(entry)
         return entry
+
+    def _agree(self, args: tuple, kwargs: dict, new_key: InputKey | None) -> None:
+        """Every rank: gather the keys new somewhere, have the lowest rank holding each plan
+        it and broadcast the plan; plan this rank's own new key with the agreed plan."""
+        assert self.ranks is not None
+        keys = self.ranks.gather(new_key)
+        owners: dict[str, int] = {}
+        for rank, key in enumerate(keys):
+            if key is not None:
+                owners.setdefault(repr(key), rank)
+        for key_repr, owner in sorted(owners.items()):
+            if owner == self.ranks.rank:
+                assert new_key is not None and repr(new_key) == key_repr
+                self._plan_and_share(args, kwargs, new_key)
+            else:
+                payload = self.ranks.broadcast(None, owner)
+                if payload[0] == "error":
+                    raise RuntimeError(
+                        f"lightning_remat: rank {owner} could not plan its input "
+                        f"({payload[1]}); every rank stops with it"
+                    )
+                self.agreed[key_repr] = payload
+
+    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey) -> None:
+        """Plan this rank's new ``key`` and broadcast the plan, or the error that stopped it
+        (the other ranks wait in the broadcast and must not hang)."""
+        assert self.ranks is not None
+        ranks, shared = self.ranks, []
+
+        def share(args: tuple, kwargs: dict, key: InputKey, traced: Any) -> tuple[Graph, Plan, bool]:
+            graph, plan, from_cache = self._plan_locally(args, kwargs, key, traced)
+            shared.append(True)
+            ranks.broadcast((graph.to_json(), plan.to_json(), from_cache), ranks.rank)
+            return graph, plan, from_cache
+
+        try:
+            self._add(args, kwargs, key, share, stacklevel=9)  # < _plan_and_share < _agree
+        except Exception as exc:
+            if not shared:
+                ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), ranks.rank)
+            raise
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
         if not training and self.last is not None:
@@ -278,45 +394,13 @@ class Planner:
         return self.last.variant
 
     # ---- planning one input ---------------------------------------------------------------
-    def _plan(self, args: tuple, kwargs: dict, key: InputKey) -> Planned:
+    def _plan(self, args: tuple, kwargs: dict, key: InputKey,
+              make: Callable[[tuple, dict, InputKey, Any], tuple[Graph, Plan, bool]]) -> Planned:
         module, settings = self.module, self.settings
         device = module_device(module, args)
-        options = solver_options(settings.solver, device, settings.offload)
         with preserved_state(module, [device]):
             traced = trace_module(module, args, kwargs)
-        graph: Graph | None = None
-        plan: Plan | None = None
-        from_cache = False
-        if repr(key) in self.restored:
-            graph_json, plan_json = self.restored[repr(key)]
-            graph, plan, from_cache = Graph.from_json(graph_json), Plan.from_json(plan_json), True
-        if plan is None and self._plans_here():
-            cache_key = None
-            if self.cache is not None:
-                cache_key = CacheKey(
-                    graph_hash=traced.graph.graph_hash(), input_key=repr(key),
-                    device_name=device_name(device), budget=str(settings.memory_budget),
-                    solver=settings.solver + repr(sorted(options.items())),
-                )
-                hit = self.cache.get(cache_key)
-                if hit is not None:
-                    graph, plan, from_cache = hit.graph, hit.plan, True
-            if plan is None:
-                graph = profile_module(
-                    module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
-                    safe=settings.safe_profile, traced=traced,
-                )
-                # The offloading solvers (and "auto", which ends with them) need beta.
-                if graph.meta.bandwidth_bytes_per_s is None:
-                    graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
-                budget = settings.budget_bytes(graph, device)
-                plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
-                if cache_key is not None:
-                    self.cache.put(cache_key, graph, plan)
-        if self.broadcast is not None:
-            payload = self.broadcast(None if plan is None else (graph.to_json(), plan.to_json(), from_cache))
-            graph, plan, from_cache = Graph.from_json(payload[0]), Plan.from_json(payload[1]), payload[2]
-        assert graph is not None and plan is not None
+        graph, plan, from_cache = make(args, kwargs, key, traced)
         variant = build_variant(traced.runner, plan, self.remat_module, module, traced.charge)
         variant.graph = graph
         variant.budget_bytes = settings.budget_bytes(graph, device)
@@ -324,13 +408,40 @@ class Planner:
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
         return Planned(key, variant, self.remat_module, example)
 
-    def _plans_here(self) -> bool:
-        """Without a broadcast every process plans; with one, rank zero only."""
-        if self.broadcast is None:
-            return True
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank() == 0
-        return True
+    def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Any) -> tuple[Graph, Plan, bool]:
+        """The graph and plan for ``key``: agreed by the ranks, restored from a checkpoint,
+        cached, or profiled and solved here; and whether it came from such a store."""
+        if repr(key) in self.agreed:
+            graph_json, plan_json, from_cache = self.agreed[repr(key)]
+            return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
+        if repr(key) in self.restored:
+            graph_json, plan_json = self.restored[repr(key)]
+            return Graph.from_json(graph_json), Plan.from_json(plan_json), True
+        module, settings = self.module, self.settings
+        device = module_device(module, args)
+        options = solver_options(settings.solver, device, settings.offload)
+        cache_key = None
+        if self.cache is not None:
+            cache_key = CacheKey(
+                graph_hash=traced.graph.graph_hash(), input_key=repr(key),
+                device_name=device_name(device), budget=str(settings.memory_budget),
+                solver=settings.solver + repr(sorted(options.items())),
+            )
+            hit = self.cache.get(cache_key)
+            if hit is not None:
+                return hit.graph, hit.plan, True
+        graph = profile_module(
+            module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
+            safe=settings.safe_profile, traced=traced,
+        )
+        # The offloading solvers (and "auto", which ends with them) need beta.
+        if graph.meta.bandwidth_bytes_per_s is None:
+            graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
+        budget = settings.budget_bytes(graph, device)
+        plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
+        if cache_key is not None:
+            self.cache.put(cache_key, graph, plan)
+        return graph, plan, False
 
 
 def remat(
