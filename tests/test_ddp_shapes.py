@@ -62,7 +62,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())])
 
 
-def _run_ranks(batches_by_rank: list[list[torch.Tensor]], budget: Any = "80%") -> list[dict[str, Any]]:
+def _run_ranks(batches_by_rank: list[list[torch.Tensor]], budget: Any = None) -> list[dict[str, Any]]:
     """Train step by step on every rank (threads); per rank: its planner, its collectives,
     the batch shapes of the plans it ran, and the error it raised (if any)."""
     world = len(batches_by_rank)
