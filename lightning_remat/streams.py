@@ -14,6 +14,21 @@ Two implementations of one small interface, :class:`DeviceStreams`:
   and logs every copy, so a test can show that a dropped activation is gone before the next
   stage, that the compute waits for the copy, and that prefetch follows the save order.
   With ``latency=0`` a copy completes at once (the CPU path of the executor in training).
+
+Lines only a GPU runs, across the package (each marked "CUDA only" where it stands); the
+CPU tests run the logic around them through this stand-in or through fakes of
+``torch.cuda``, never these calls themselves:
+
+- here, every method of :class:`CudaStreams` (copy stream, events, ``record_stream``,
+  pinned buffers, allocator counters);
+- ``runtime/offload.py``: ``measure_bandwidth``'s CUDA branch with real events and pinned
+  memory (``_cuda_bandwidth``'s device and stream handling runs on fakes);
+- ``graph/profile.py``: ``_Clock``'s CUDA events, its ``torch.cuda._sleep`` backlog and
+  ``_dispatch_backlog_cycles`` (the timing logic runs on a simulated timeline);
+- ``lightning/memory_timeline.py``: the allocator counter reads (run on fakes);
+- ``lightning/batch_size.py``: ``max_memory_reserved`` and the step-time synchronise;
+- ``planner.py``: ``DistributedRanks``' extra gloo group under NCCL;
+- ``device.py``: ``default_budget``'s ``mem_get_info`` and counters, ``device_name``.
 """
 
 from __future__ import annotations
@@ -113,7 +128,7 @@ class CudaStreams(DeviceStreams):
         return int(torch.cuda.memory_reserved(self.device))  # CUDA only
 
 
-@dataclass
+@dataclass(eq=False)  # an event is itself, whatever it copies
 class _Copy:
     """A copy queued on the stand-in's copy stream."""
 
@@ -187,7 +202,7 @@ class SimulatedStreams(DeviceStreams):
         self.compute_waits_count += 1
         if not event.completed:
             self.log.append(("wait", event.nbytes))
-            self.complete(list(self._queue).index(event) + 1)
+            self.complete(next(i for i, c in enumerate(self._queue) if c is event) + 1)
 
     def done(self, event: Any) -> bool:
         return bool(event.completed)

@@ -16,6 +16,9 @@ Conventions follow ``pytorch_lightning.callbacks.BatchSizeFinder``: ``batch_arg_
 names an attribute of the model, its ``hparams`` or the datamodule (found with Lightning's
 ``lightning_hasattr``), the search runs in ``on_fit_start`` and the largest feasible size is
 written back with ``lightning_setattr``.
+
+Length: a trial and the callback read and restore the same fitting Trainer's state (its
+optimizers, dataloader, strategy budget); one module keeps that handling in one place.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import nn
 
 from lightning_remat.budget import parse_budget
 from lightning_remat.cache import PlanCache
-from lightning_remat.device import default_budget, preserved_training_state
+from lightning_remat.device import default_budget, move_to_device, preserved_training_state
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import Planned, Planner, PlanSettings
@@ -76,6 +79,8 @@ class SearchSettings:
     """The submodule planned (None: the LightningModule's forward)."""
     cache_dir: Path
     """Where the trials' plans are cached (the strategy's cache, so training reuses them)."""
+    budget_from_device: bool = False
+    """No budget given: a trial reads the free device memory once its optimizer state exists."""
 
 
 class _Captured(Exception):
@@ -116,7 +121,8 @@ def _logging_muted(model: pl.LightningModule) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _optimizers_preserved(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
-    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    # On the host, off the trial's budget (load_state_dict moves it back to the device).
+    states = [move_to_device(copy.deepcopy(opt.state_dict()), torch.device("cpu")) for opt in optimizers]
     try:
         yield
     finally:
@@ -242,13 +248,15 @@ class LightningTrial:
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
             peaks: list[int] = []
-            seconds: list[float] = []
+            reserved, seconds = [0], []
             with _forward_replaced(self.target, forward):
                 # One unmeasured step first: the first run of a kernel at a new shape
                 # allocates lasting caches (oneDNN primitives, cuDNN workspaces, the
                 # optimizer's state) that are not part of a step's peak.
                 self._step(batch)
                 self._optimizer_step(optimizers)
+                # Once the optimizer state exists, what is left is what a step may use.
+                budget_bytes = default_budget(self.device) if self.settings.budget_from_device else self.budget_bytes
                 for _ in range(self.steps_per_trial):
                     started = [0.0]
 
@@ -258,16 +266,18 @@ class LightningTrial:
 
                     peaks.append(peak_bytes(measured_step, self.device))
                     self._optimizer_step(optimizers)
-                    if self.device.type == "cuda":
+                    if self.device.type == "cuda":  # CUDA only: the step's time; reserved beside allocated
                         torch.cuda.synchronize(self.device)
+                        reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
                     seconds.append(time.perf_counter() - started[0])
             del batch
         peak = max(peaks)
         step_seconds = sorted(seconds)[len(seconds) // 2]  # median
-        feasible = self.budget_bytes is None or peak <= self.budget_bytes
-        reason = "" if feasible else f"measured peak {peak} B over the budget {self.budget_bytes} B"
+        feasible = budget_bytes is None or peak <= budget_bytes
+        reason = "" if feasible else f"measured peak {peak} B over the budget {budget_bytes} B"
         return TrialResult(
             feasible=feasible, peak_bytes=peak, seconds=step_seconds, reason=reason,
+            reserved_bytes=max(reserved) or None,
             predicted_extra_seconds=planned.plan.predicted_extra_seconds if planned else 0.0,
             predicted_peak_bytes=planned.plan.predicted_peak_bytes if planned else None,
             solver=planned.plan.solver if planned else PLAIN,
@@ -382,14 +392,15 @@ class RematBatchSizeFinder(Callback):
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
                 "raises out-of-memory there, so only the budget can bound the batch size"
             )
-        # The planner gets the budget as written (so its plan-cache key matches the
-        # strategy's and training at the found size reuses the trial's plan), or bytes.
-        plan = dataclasses.replace(plan, memory_budget=budget if budget is not None else budget_bytes)
+        # The planner gets the budget as written, None included (so its plan-cache key
+        # matches the strategy's and training at the found size reuses the trial's plan).
+        plan = dataclasses.replace(plan, memory_budget=budget)
         cache_dir = remat_strategy.cache_dir if remat_strategy is not None else None
         return SearchSettings(
             plan=plan, budget_bytes=budget_bytes, device=device,
             target=remat_strategy.target if remat_strategy is not None else None,
             cache_dir=Path(cache_dir or Path(trainer.default_root_dir) / "lightning_remat"),
+            budget_from_device=_absolute_budget(budget) is None,
         )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,

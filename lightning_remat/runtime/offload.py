@@ -86,19 +86,21 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int = 64
     return float(value)
 
 
-def _cuda_bandwidth(dev: torch.device, count: int, repeats: int) -> float:
+def _cuda_bandwidth(dev: torch.device, count: int, repeats: int, cuda: Any = torch.cuda,
+                    empty: Any = torch.empty) -> float:
     """CUDA only: the events are recorded on ``dev``'s own stream, inside its device
-    context, so a model on ``cuda:1`` is not timed by ``cuda:0``'s clock."""
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev)
-        host = torch.empty(count, dtype=torch.float32, pin_memory=True)
-        gpu = torch.empty(count, dtype=torch.float32, device=dev)
+    context, so a model on ``cuda:1`` is not timed by ``cuda:0``'s clock. (``cuda`` and
+    ``empty`` are ``torch.cuda`` and ``torch.empty``; the tests pass fakes.)"""
+    with cuda.device(dev):
+        stream = cuda.current_stream(dev)
+        host = empty(count, dtype=torch.float32, pin_memory=True)
+        gpu = empty(count, dtype=torch.float32, device=dev)
         best = {"to_host": 0.0, "to_device": 0.0}
         for _ in range(repeats + 1):  # the first round warms up
             for direction in best:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, stop = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
                 start.record(stream)
-                with torch.cuda.stream(stream):
+                with cuda.stream(stream):
                     if direction == "to_host":
                         host.copy_(gpu, non_blocking=True)
                     else:
@@ -277,11 +279,12 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         if self._given_streams is not None:
             return self._given_streams
         device = torch.device("cpu") if device is None else device
-        if device.type == "cuda" and not self.use_streams:
-            device = torch.device("cpu")  # CUDA tensors through the stand-in, copies at once
         layer = self._streams.get(device)
         if layer is None:
-            layer = streams_for(device) if device.type == "cuda" else SimulatedStreams(latency=0)
+            if device.type == "cuda" and self.use_streams:
+                layer = streams_for(device)
+            else:  # the CPU, or CUDA tensors without streams: copies complete at once
+                layer = SimulatedStreams(latency=0, device=device)
             self._streams[device] = layer
         return layer
 
