@@ -345,3 +345,28 @@ def test_a_remat_module_never_offloads_its_inputs_parameters_or_buffers():
     executor = remat_model._remat_offload_factory.hooks
     assert executor.stats.skipped_resident >= 1  # the first conv saved the batch: it stayed
     assert executor.stats.offloaded_tensors > 0
+
+
+def test_the_plan_sizes_the_pinned_area_and_the_prefetch_window():
+    from types import SimpleNamespace
+
+    from lightning_remat.runtime.offload import plan_offload_bytes
+    from lightning_remat.solvers.plan import Stage
+
+    graph = SimpleNamespace(nodes=[SimpleNamespace(id=n, saved=s) for n, s in
+                                   (("a", 100), ("b", 200), ("c", 400), ("d", 800), ("e", 50))])
+    plan = SimpleNamespace(stages=[Stage(["a", "b"], "offload"), Stage(["c"], "recompute"),
+                                   Stage(["d"], "offload"), Stage(["e"], "keep")])
+    assert plan_offload_bytes(graph, plan) == (1100, 800)
+    assert plan_offload_bytes(None, plan) == (0, 0)
+
+    model, batches = _chain_and_batches(1)
+    streams = SimulatedStreams(latency=None)
+    hooks = OffloadHooks(min_bytes=0, streams=streams)
+    window = 64 * 60 * 4 + 64 * 44 * 4  # the two storages the backward needs first
+    hooks.reserve(10**6, window)
+    x, target = batches[0]
+    nn.functional.cross_entropy(model(x, hooks), target).backward()
+    fetched = [n for kind, n in streams.log if kind == "to_device"]
+    assert streams.pinned_allocations == [10**6]
+    assert hooks.stats.fetched_on_demand == 1 and len(fetched) == hooks.stats.offloaded_tensors

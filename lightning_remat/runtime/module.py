@@ -201,7 +201,7 @@ class RematModule(nn.Module):
                 if isinstance(hooks, OffloadHooks):
                     # What the profile counts as resident stays (docs/design.md section 5).
                     hooks.keep_resident([*self.parameters(), *self.buffers(), args, kwargs])
-                    hooks.reserve(plan_offload_bytes(variant.graph, variant.plan))
+                    hooks.reserve(*plan_offload_bytes(variant.graph, variant.plan))
                 with hooks:
                     outputs = program.fn(self, *inputs)
             else:

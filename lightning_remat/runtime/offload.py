@@ -189,10 +189,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
 
     ``min_bytes``: tensors smaller than this stay where they are (copies of small tensors
     cost more in latency than they save). ``prefetch_bytes``: the backward's look-ahead, in
-    bytes fetched and not yet used (0: fetch on demand only; None: twice the largest
-    storage offloaded, or what :meth:`reserve` was told). ``max_in_flight_bytes``: device
-    bytes whose copy out may still run before the compute stream waits (None: the plan's
-    stage is bounded only at its exit... and by twice the largest storage). ``streams``:
+    bytes fetched and not yet used (0: fetch on demand only; None: the plan's largest
+    offloaded stage as :meth:`reserve` was told, else twice the largest storage offloaded).
+    ``max_in_flight_bytes``: device bytes whose copy out may still run before the compute
+    stream waits (None: twice the largest storage offloaded). ``streams``:
     the device layer (default: :func:`~lightning_remat.streams.streams_for` each device;
     tests pass a :class:`~lightning_remat.streams.SimulatedStreams`). ``use_streams=False``
     runs CUDA tensors through the stand-in as well (copies complete at once).
@@ -234,12 +234,16 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         self._area_used = 0
         self._step_bytes = 0
         self._reserved = 0
+        self._plan_window = 0
         super().__init__(self._pack, self._unpack)
 
     # ---- what the plan tells ---------------------------------------------------------------
-    def reserve(self, step_bytes: int) -> None:
-        """Size the pinned area for ``step_bytes`` offloaded per step (the plan's figure)."""
+    def reserve(self, step_bytes: int, stage_bytes: int = 0) -> None:
+        """Size the pinned area for ``step_bytes`` offloaded per step and, unless
+        ``prefetch_bytes`` was given, the prefetch window for ``stage_bytes`` (the plan's
+        figures, :func:`plan_offload_bytes`)."""
         self._reserved = max(self._reserved, int(step_bytes))
+        self._plan_window = max(self._plan_window, int(stage_bytes))
 
     def keep_resident(self, tensors: Iterable[Any]) -> None:
         """Never offload the storages of ``tensors`` (parameters, buffers, the step's inputs:
@@ -390,7 +394,7 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     def _window(self) -> int:
         if self.prefetch_bytes is not None:
             return self.prefetch_bytes
-        return 2 * self._largest
+        return self._plan_window or 2 * self._largest
 
     def _prefetch_next(self) -> None:
         """Fetch down the save order from the cursor while the bytes fetched and not yet
@@ -457,13 +461,15 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         return out.set_(device_bytes.untyped_storage(), packed.offset, packed.size, packed.stride)
 
 
-def plan_offload_bytes(graph: Any, plan: Any) -> int:
-    """What a plan offloads in one step: the saved bytes of its offloaded stages' ops (the
-    size of the pinned area, :meth:`OffloadHooks.reserve`)."""
+def plan_offload_bytes(graph: Any, plan: Any) -> tuple[int, int]:
+    """What a plan offloads: the saved bytes of its offloaded stages' ops in one step (the
+    pinned area's size) and in its largest offloaded stage (the prefetch window: the plan
+    has room for one stage's saved bytes coming back at once); zeros without a graph."""
     if graph is None:
-        return 0
+        return 0, 0
     saved = {node.id: node.saved for node in graph.nodes}
-    return sum(saved.get(v, 0) for stage in plan.stages if stage.action == "offload" for v in stage.nodes)
+    stages = [sum(saved.get(v, 0) for v in stage.nodes) for stage in plan.stages if stage.action == "offload"]
+    return sum(stages), max(stages, default=0)
 
 
 class OffloadedModule(nn.Module):
