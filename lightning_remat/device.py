@@ -118,9 +118,11 @@ def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> 
 @contextlib.contextmanager
 def preserved_training_state(module: nn.Module) -> Iterator[None]:
     """:func:`preserved_state` plus the parameters and their gradients, for runs that take
-    optimizer steps or accumulate gradients (measuring a step, a batch-size trial)."""
-    params = {name: p.detach().clone() for name, p in module.named_parameters()}
-    grads = {name: (None if p.grad is None else p.grad.detach().clone())
+    optimizer steps or accumulate gradients (measuring a step, a batch-size trial). The
+    copies are kept on the host, so they take no device memory from the run they guard."""
+    host = torch.device("cpu")
+    params = {name: p.detach().to(host, copy=True) for name, p in module.named_parameters()}
+    grads = {name: (None if p.grad is None else p.grad.detach().to(host, copy=True))
              for name, p in module.named_parameters()}
     devices = sorted({p.device for p in module.parameters()}, key=str)
     with preserved_state(module, devices):
@@ -130,4 +132,5 @@ def preserved_training_state(module: nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for name, p in module.named_parameters():
                     p.copy_(params[name])
-                    p.grad = grads[name]
+                    grad = grads[name]
+                    p.grad = None if grad is None else grad.to(p.device)

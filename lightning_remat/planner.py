@@ -3,8 +3,12 @@ Lightning strategies and the batch-size search.
 
 For a call whose input key (:func:`input_key`) is new, :class:`Planner` traces the module,
 takes the plan restored from a checkpoint or the plan cache when there is one, or else
-profiles the module on its device, turns the budget into bytes and solves; under DDP rank
-zero plans and every rank applies its plan (``broadcast``). The plan is compiled into a
+profiles the module on its device, turns the budget into bytes and solves. Under DDP
+(:class:`Ranks`) the ranks first agree, at every training call, whether any rank meets a
+key it has no plan for; if one does, they gather the keys, the lowest rank holding each new
+key plans it and broadcasts the plan, and every rank applies the plan made for its own key.
+No collective is ever called by some ranks only (a short last batch or a per-rank padding
+gives ranks different keys). The plan is compiled into a
 variant of one :class:`~lightning_remat.runtime.module.RematModule`, which then runs every
 call with that key.
 
@@ -12,7 +16,11 @@ A budget given as a fraction (``"60%"``, ``0.6``) is a fraction of the plain ste
 profiled peak for the input being planned: each new input shape is held to its own share.
 ``None`` is the device's free memory less a margin on CUDA and no limit elsewhere.
 
-This module holds no Lightning code; the strategy passes in its broadcast and a callback.
+Length: the steps of planning one input (its key, the agreement across ranks, the checkpoint
+and the cache, profiling, the budget, solving, applying) share the planner's state and are
+read top to bottom as one flow, so they stay in one module.
+
+This module holds no Lightning code; the strategy passes in its :class:`Ranks` and a callback.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,7 +47,7 @@ from lightning_remat.device import (
 )
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
-from lightning_remat.graph.trace import CHILDREN, trace_module
+from lightning_remat.graph.trace import CHILDREN, Traced, trace_module
 from lightning_remat.meter import TimelinePoint, record_timeline
 from lightning_remat.runtime.hooked import per_submodule_plan
 from lightning_remat.runtime.module import RematModule, Variant, build_traced_variant
@@ -48,7 +56,10 @@ from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
-__all__ = ["InputKey", "PlanSettings", "Planned", "Planner", "input_key", "plain_peak_bytes", "remat"]
+__all__ = [
+    "DistributedRanks", "InputKey", "PlanSettings", "Planned", "Planner", "Ranks", "input_key",
+    "plain_peak_bytes", "remat",
+]
 
 InputKey = tuple
 """What a plan depends on in a call: every tensor's shape, dtype and device type, every
@@ -184,6 +195,57 @@ def parameter_dtypes(module: nn.Module) -> str:
     return ",".join(sorted({str(p.dtype) for p in module.parameters()})) or "none"
 
 
+class Ranks(Protocol):
+    """The collectives the planner needs from a group of data-parallel processes. Every
+    method is a collective: every rank calls it, in the same order."""
+
+    rank: int
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank."""
+        ...
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        ...
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        ...
+
+
+class DistributedRanks:
+    """:class:`Ranks` over ``torch.distributed``'s default process group.
+
+    The agreement runs on a gloo group on the host, so the per-call check costs no device
+    synchronisation; with a gloo default group that group is used as it is."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self._group = None
+        if dist.get_backend() != "gloo":
+            # CUDA only (NCCL): a host-side group for the plan exchange; every rank creates it.
+            self._group = dist.new_group(backend="gloo")
+
+    def any(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(value.item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._dist.get_world_size(self._group)
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src, group=self._group)
+        return box[0]
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     """What decides a plan besides the module and its inputs."""
@@ -268,12 +330,14 @@ class Planner:
     """Plans ``module`` once per input key and runs every call through the plan for its key.
 
     ``cache``: plans on disk, looked up before profiling. ``restored``: stored plans by
-    ``repr(input key)`` (from a checkpoint), used before the cache. A stored plan is used
-    only when its :class:`~lightning_remat.cache.PlanBasis` equals this call's; otherwise a
-    warning names what changed and the call is planned again. ``broadcast(obj)``:
-    rank zero's object on every rank (DDP); only rank zero profiles and solves.
-    ``on_plan(planned)``: called after each new plan. ``keep_example``: keep each planned
-    call on the host for :meth:`Planned.measure_timeline`.
+    ``repr(input key)`` (from a checkpoint; every rank holds the same), used before the
+    cache. A stored plan is used only when its :class:`~lightning_remat.cache.PlanBasis`
+    equals this call's; otherwise a warning names what changed and the call is planned
+    again. ``ranks``: the data-parallel group (DDP): the ranks agree at every training call
+    whether a key is new anywhere, the lowest rank holding a new key plans it (from its
+    checkpoint, its cache or a new profile) and broadcasts the plan, and every rank applies
+    the plan for its own key. ``on_plan(planned)``: called after each new plan.
+    ``keep_example``: keep each planned call on the host for :meth:`Planned.measure_timeline`.
     """
 
     def __init__(
@@ -283,7 +347,7 @@ class Planner:
         *,
         cache: PlanCache | None = None,
         restored: dict[str, StoredPlan] | None = None,
-        broadcast: Callable[[Any], Any] | None = None,
+        ranks: Ranks | None = None,
         on_plan: Callable[[Planned], None] | None = None,
         keep_example: bool = False,
     ) -> None:
@@ -291,10 +355,12 @@ class Planner:
         self.settings = settings or PlanSettings()
         self.cache = cache
         self.restored = restored if restored is not None else {}
-        self.broadcast = broadcast
+        self.ranks = ranks
         self.on_plan = on_plan
         self.keep_example = keep_example
         self.planned: dict[InputKey, Planned] = {}
+        self.agreed: dict[str, tuple[str, str, bool]] = {}
+        """Plans other ranks made for keys this rank has not met yet, by ``repr(key)``."""
         self.last: Planned | None = None
         """The plan of the latest training call."""
         self.busy = False
@@ -321,11 +387,22 @@ class Planner:
         return (precision, *input_key(self._signature, args, kwargs))
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
-        """The plan for this call's inputs, made now if they are new."""
+        """The plan for this call's inputs, made now if they are new. Under DDP a
+        collective: every rank calls it once per training call."""
         key = self.key(args, kwargs)
         entry = self.planned.get(key)
+        needs_plan = entry is None and repr(key) not in self.agreed
+        if self.ranks is not None and self.ranks.any(needs_plan):
+            self._agree(args, kwargs, key if needs_plan else None)
+            entry = self.planned.get(key)
         if entry is not None:
             return entry
+        return self._add(args, kwargs, key, self._plan_locally)
+
+    def _add(self, args: tuple, kwargs: dict, key: InputKey, make: _PlanMaker,
+             stacklevel: int = 7) -> Planned:
+        """Plan ``key`` (``make`` gives the graph, plan and whether it came from a store) and
+        make it the variant its calls run."""
         changes = key_changes(next(reversed(self.planned)), key) if self.planned else {}
         if changes.keys() - self._warned_about:
             # Once per kind of change: a run of short last batches warns once, a later change
@@ -335,11 +412,12 @@ class Planner:
                 "lightning_remat: the inputs differ from the ones the plan was made for "
                 f"({'; '.join(changes.values())}); re-planning for them (each new input is "
                 "planned once and cached)",
-                stacklevel=6,  # the caller of the module: planned_for < _select < forward < nn.Module
+                # The caller of the module: _add < planned_for < _select < forward < nn.Module x2.
+                stacklevel=stacklevel,
             )
         self.busy = True
         try:
-            entry = self._plan(args, kwargs, key)
+            entry = self._plan(args, kwargs, key, make)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -347,6 +425,48 @@ class Planner:
         if self.on_plan is not None:
             self.on_plan(entry)
         return entry
+
+    def _agree(self, args: tuple, kwargs: dict, new_key: InputKey | None) -> None:
+        """Every rank: gather the keys new somewhere, have the lowest rank holding each plan
+        it and broadcast the plan; plan this rank's own new key with the agreed plan."""
+        assert self.ranks is not None
+        keys = self.ranks.gather(new_key)
+        owners: dict[str, int] = {}
+        for rank, key in enumerate(keys):
+            if key is not None:
+                owners.setdefault(repr(key), rank)
+        for key_repr, owner in sorted(owners.items()):
+            if owner == self.ranks.rank:
+                assert new_key is not None and repr(new_key) == key_repr
+                self._plan_and_share(args, kwargs, new_key)
+            else:
+                payload = self.ranks.broadcast(None, owner)
+                if payload[0] == "error":
+                    raise RuntimeError(
+                        f"lightning_remat: rank {owner} could not plan its input "
+                        f"({payload[1]}); every rank stops with it"
+                    )
+                self.agreed[key_repr] = payload
+
+    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey) -> None:
+        """Plan this rank's new ``key`` and broadcast the plan, or the error that stopped it
+        (the other ranks wait in the broadcast and must not hang)."""
+        assert self.ranks is not None
+        ranks, shared = self.ranks, []
+
+        def share(args: tuple, kwargs: dict, key: InputKey, traced: Traced,
+                  basis: PlanBasis) -> tuple[Graph, Plan, bool]:
+            graph, plan, from_cache = self._plan_locally(args, kwargs, key, traced, basis)
+            shared.append(True)
+            ranks.broadcast((graph.to_json(), plan.to_json(), from_cache), ranks.rank)
+            return graph, plan, from_cache
+
+        try:
+            self._add(args, kwargs, key, share, stacklevel=9)  # < _plan_and_share < _agree
+        except Exception as exc:
+            if not shared:
+                ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), ranks.rank)
+            raise
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
         if not training and self.last is not None:
@@ -359,7 +479,7 @@ class Planner:
         return self.last.variant
 
     # ---- planning one input ---------------------------------------------------------------
-    def _plan(self, args: tuple, kwargs: dict, key: InputKey) -> Planned:
+    def _plan(self, args: tuple, kwargs: dict, key: InputKey, make: _PlanMaker) -> Planned:
         module, settings = self.module, self.settings
         device = module_device(module, args)
         options = solver_options(settings.solver, device, settings.offload)
@@ -372,44 +492,47 @@ class Planner:
             solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
             param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
         )
-        graph: Graph | None = None
-        plan: Plan | None = None
-        from_cache = False
-        stored, explained = self._restored_for(repr(key), basis)
-        if stored is not None:
-            graph, plan = Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json)
-            from_cache = True
-        if plan is None and self._plans_here():
-            if self.cache is not None:
-                hit = self.cache.get(basis)
-                if hit is not None:
-                    graph, plan, from_cache = hit.graph, hit.plan, True
-                elif not explained:
-                    self._say_why_not(basis, self.cache.bases(), "plan cache")
-            if plan is None:
-                graph = profile_module(
-                    module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
-                    safe=settings.safe_profile, traced=traced,
-                )
-                # The offloading solvers (and "auto", which ends with them) need beta.
-                if graph.meta.bandwidth_bytes_per_s is None:
-                    graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
-                budget = settings.budget_bytes(graph, device)
-                plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
-                if traced.kind == CHILDREN:  # each submodule checkpointed on its own
-                    plan = per_submodule_plan(graph, plan, budget)
-                if self.cache is not None:
-                    self.cache.put(basis, graph, plan)
-        if self.broadcast is not None:
-            payload = self.broadcast(None if plan is None else (graph.to_json(), plan.to_json(), from_cache))
-            graph, plan, from_cache = Graph.from_json(payload[0]), Plan.from_json(payload[1]), payload[2]
-        assert graph is not None and plan is not None
+        graph, plan, from_cache = make(args, kwargs, key, traced, basis)
         variant = build_traced_variant(traced, plan, self.remat_module, module)
         variant.graph = graph
         variant.budget_bytes = settings.budget_bytes(graph, device)
         variant.from_cache = from_cache
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
         return Planned(key, variant, self.remat_module, example, basis)
+
+    def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Traced,
+                      basis: PlanBasis) -> tuple[Graph, Plan, bool]:
+        """The graph and plan for ``key``: agreed by the ranks, restored from a checkpoint,
+        cached, or profiled and solved here; and whether it came from such a store."""
+        if repr(key) in self.agreed:
+            graph_json, plan_json, from_cache = self.agreed[repr(key)]
+            return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
+        stored, explained = self._restored_for(repr(key), basis)
+        if stored is not None:
+            return Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json), True
+        if self.cache is not None:
+            hit = self.cache.get(basis)
+            if hit is not None:
+                return hit.graph, hit.plan, True
+            if not explained:
+                self._say_why_not(basis, self.cache.bases(), "plan cache")
+        module, settings = self.module, self.settings
+        device = module_device(module, args)
+        graph = profile_module(
+            module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
+            safe=settings.safe_profile, traced=traced,
+        )
+        # The offloading solvers (and "auto", which ends with them) need beta.
+        if graph.meta.bandwidth_bytes_per_s is None:
+            graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
+        budget = settings.budget_bytes(graph, device)
+        options = solver_options(settings.solver, device, settings.offload)
+        plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
+        if traced.kind == CHILDREN:  # each submodule checkpointed on its own
+            plan = per_submodule_plan(graph, plan, budget)
+        if self.cache is not None:
+            self.cache.put(basis, graph, plan)
+        return graph, plan, False
 
     def _restored_for(self, key_text: str, basis: PlanBasis) -> tuple[StoredPlan | None, bool]:
         """The checkpoint's plan for this key and ``basis``, and whether a warning said why
@@ -424,17 +547,14 @@ class Planner:
         known = [c.basis for c in candidates if c.basis is not None]
         if known:
             return None, self._say_why_not(basis, known, "checkpoint", same_inputs=False)
-        if self._plans_here():
-            warnings.warn(describe_change(None, basis, "checkpoint"), stacklevel=3)
-            return None, True
-        return None, False
+        warnings.warn(describe_change(None, basis, "checkpoint"), stacklevel=3)
+        return None, True
 
     def _say_why_not(self, basis: PlanBasis, others: list[PlanBasis], source: str,
                      same_inputs: bool = True) -> bool:
-        """Warn (rank zero) why the nearest of ``others`` (the same graph and, with
-        ``same_inputs``, the same inputs) is not reused for ``basis``; whether it warned."""
-        if not self._plans_here():
-            return False
+        """Warn why the nearest of ``others`` (the same graph and, with ``same_inputs``, the
+        same inputs) is not reused for ``basis``; whether it warned. Only the rank that plans
+        a key gets here, so the line is written once."""
         near = [b for b in others if b.graph_hash == basis.graph_hash
                 and (not same_inputs or b.input_key == basis.input_key)]
         if not near and not same_inputs:
@@ -446,13 +566,9 @@ class Planner:
         warnings.warn(describe_change(nearest, basis, source), stacklevel=3)
         return True
 
-    def _plans_here(self) -> bool:
-        """Without a broadcast every process plans; with one, rank zero only."""
-        if self.broadcast is None:
-            return True
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank() == 0
-        return True
+
+_PlanMaker = Callable[[tuple, dict, InputKey, Traced, PlanBasis], tuple[Graph, Plan, bool]]
+"""Makes the graph and plan of one input (``Planner._plan_locally``, or that and a broadcast)."""
 
 
 def remat(

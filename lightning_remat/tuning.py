@@ -58,6 +58,8 @@ class TrialResult:
     predicted_extra_seconds: float | None = None
     predicted_peak_bytes: int | None = None
     solver: str | None = None
+    reserved_bytes: int | None = None
+    """CUDA: the caching allocator's reserved peak beside ``peak_bytes`` (allocated)."""
 
 
 TrialFn = Callable[[int], TrialResult]

@@ -15,7 +15,7 @@ PACKAGE = Path(lightning_remat.__file__).parent
 FLOW: list[tuple[str, ...]] = [
     ("budget",),
     ("errors",),
-    ("device", "meter"),
+    ("device", "meter", "streams"),
     ("graph.ir",),
     ("graph.trace",),
     ("graph.profile",),

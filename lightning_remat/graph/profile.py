@@ -99,27 +99,70 @@ def _output_bytes(value: Any) -> int:
 
 
 class _Clock:
-    """Timestamps resolved after a synchronise: perf_counter on CPU, CUDA events on GPU."""
+    """Timestamps resolved after a synchronise: perf_counter on CPU, CUDA events on GPU.
 
-    def __init__(self, device: torch.device) -> None:
+    An event recorded on an idle GPU completes at once, so the op's time would include the
+    Python dispatch before its kernel is queued, which dominates small ops. :meth:`begin`
+    first queues a spin of the device (``torch.cuda._sleep``) longer than that dispatch, as
+    measured once per device (:func:`_dispatch_backlog_cycles`): the start event then runs
+    after the spin, when the op's kernels are already queued behind it, and the pair times
+    the kernels alone."""
+
+    def __init__(self, device: torch.device, backlog_cycles: int | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self._backlog_cycles = backlog_cycles
+
+    def begin(self) -> Any:
+        """The start of a timed op (on CUDA behind a backlog that outlasts the dispatch)."""
+        if self.cuda:
+            if self._backlog_cycles is None:
+                self._backlog_cycles = _dispatch_backlog_cycles(self.device)
+            torch.cuda._sleep(self._backlog_cycles)  # CUDA only: the device busy while Python dispatches
+        return self.mark()
 
     def mark(self) -> Any:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event = torch.cuda.Event(enable_timing=True)  # CUDA only
+            event.record()  # CUDA only
             return event
         return time.perf_counter()
 
     def seconds(self, start: Any, end: Any) -> float:
         if self.cuda:
-            return start.elapsed_time(end) / 1e3
+            return start.elapsed_time(end) / 1e3  # CUDA only
         return end - start
 
     def sync(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # CUDA only
+
+
+_BACKLOG_CYCLES: dict[str, int] = {}
+
+
+def _dispatch_backlog_cycles(device: torch.device, safety: float = 4.0) -> int:
+    """CUDA only: device cycles that outlast ``safety`` times the host's dispatch of a small
+    op: the dispatch measured with perf_counter, the device's cycles per second with events
+    around a known spin."""
+    key = str(device)
+    if key not in _BACKLOG_CYCLES:
+        with torch.cuda.device(device):
+            probe = torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(50):
+                probe.add_(1)
+            dispatch_s = (time.perf_counter() - started) / 50
+            spin = 1_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(spin)
+            end.record()
+            end.synchronize()
+            cycles_per_s = spin / max(start.elapsed_time(end) / 1e3, 1e-9)
+        _BACKLOG_CYCLES[key] = max(1000, int(safety * dispatch_s * cycles_per_s))
+    return _BACKLOG_CYCLES[key]
 
 
 class _Workspace:
@@ -220,7 +263,7 @@ class _BackwardTimer:
 
         def pre(grad_outputs: Any) -> None:
             state["ws"] = self.workspace.start()
-            state["start"] = self.clock.mark()
+            state["start"] = self.clock.begin()
 
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             end = self.clock.mark()
@@ -271,7 +314,7 @@ class _OpMeter:
             return t
 
         ws_before = self.workspace.start()
-        start = self.clock.mark()
+        start = self.clock.begin()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
         end = self.clock.mark()

@@ -48,7 +48,7 @@ from torch import nn
 
 from lightning_remat.budget import parse_budget
 from lightning_remat.cache import PlanCache, default_cache_dir
-from lightning_remat.device import default_budget, preserved_training_state
+from lightning_remat.device import default_budget, move_to_device, preserved_training_state
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import Planned, Planner, PlanSettings
@@ -80,6 +80,8 @@ class SearchSettings:
     """The submodule planned (None: the LightningModule's forward)."""
     cache_dir: Path
     """Where the trials' plans are cached (the strategy's cache, so training reuses them)."""
+    budget_from_device: bool = False
+    """No budget given: a trial reads the free device memory once its optimizer state exists."""
 
 
 class _Captured(Exception):
@@ -120,7 +122,8 @@ def _logging_muted(model: pl.LightningModule) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _optimizers_preserved(optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
-    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    # On the host, off the trial's budget (load_state_dict moves it back to the device).
+    states = [move_to_device(copy.deepcopy(opt.state_dict()), torch.device("cpu")) for opt in optimizers]
     try:
         yield
     finally:
@@ -262,7 +265,7 @@ class LightningTrial:
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
             peaks: list[int] = []
-            seconds: list[float] = []
+            reserved, seconds = [0], []
             grad_bytes = 0
             with _forward_replaced(self.target, forward):
                 # One unmeasured step first: the first run of a kernel at a new shape
@@ -270,21 +273,25 @@ class LightningTrial:
                 # optimizer's state) that are not part of a step's peak.
                 self._step(batch)
                 self._optimizer_step(optimizers)
+                # Once the optimizer state exists, what is left is what a step may use.
+                budget_bytes = default_budget(self.device) if self.settings.budget_from_device else self.budget_bytes
                 for _ in range(self.steps_per_trial):
                     started = [0.0]
                     peak, step_grad_bytes = self._measured_step(batch, started)
                     peaks.append(peak)
                     grad_bytes = max(grad_bytes, step_grad_bytes)
                     self._optimizer_step(optimizers)
-                    if self.device.type == "cuda":
+                    if self.device.type == "cuda":  # CUDA only: the step's time; reserved beside allocated
                         torch.cuda.synchronize(self.device)
+                        reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
                     seconds.append(time.perf_counter() - started[0])
             del batch
         peak = max(peaks)
         step_seconds = sorted(seconds)[len(seconds) // 2]  # median
-        feasible, reason = _verdict(peak, grad_bytes, self.budget_bytes)
+        feasible, reason = _verdict(peak, grad_bytes, budget_bytes)
         return TrialResult(
             feasible=feasible, peak_bytes=peak, seconds=step_seconds, reason=reason,
+            reserved_bytes=max(reserved) or None,
             predicted_extra_seconds=planned.plan.predicted_extra_seconds if planned else 0.0,
             predicted_peak_bytes=planned.plan.predicted_peak_bytes if planned else None,
             solver=planned.plan.solver if planned else PLAIN,
@@ -399,14 +406,15 @@ class RematBatchSizeFinder(Callback):
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
                 "raises out-of-memory there, so only the budget can bound the batch size"
             )
-        # The planner gets the budget as written (so its plan-cache key matches the
-        # strategy's and training at the found size reuses the trial's plan), or bytes.
-        plan = dataclasses.replace(plan, memory_budget=budget if budget is not None else budget_bytes)
+        # The planner gets the budget as written, None included (so its plan-cache key
+        # matches the strategy's and training at the found size reuses the trial's plan).
+        plan = dataclasses.replace(plan, memory_budget=budget)
         cache_dir = remat_strategy.cache_dir if remat_strategy is not None else None
         return SearchSettings(
             plan=plan, budget_bytes=budget_bytes, device=device,
             target=remat_strategy.target if remat_strategy is not None else None,
             cache_dir=Path(cache_dir or default_cache_dir(trainer.default_root_dir)),
+            budget_from_device=_absolute_budget(budget) is None,
         )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,

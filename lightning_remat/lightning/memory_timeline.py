@@ -49,6 +49,7 @@ class MemoryTimelineLogger(pl.Callback):
         self._base = 0
         self._meter: meter.StorageMeter | None = None
         self._layout_written = False
+        self._logging = False
 
     # ---- helpers ------------------------------------------------------------------------
     @staticmethod
@@ -65,11 +66,15 @@ class MemoryTimelineLogger(pl.Callback):
 
     # ---- hooks --------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._logging = trainer.global_step % self.log_every_n_steps == 0
+        if not self._logging:
+            return  # counters are read on logging steps only
         device = pl_module.device
         if meter.is_cuda(device):
-            torch.cuda.synchronize(device)
-            self._base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            # The allocator's counters are host-side bookkeeping of what was enqueued: no
+            # device synchronisation is needed to read or reset them.
+            self._base = torch.cuda.memory_allocated(device)  # CUDA only
+            torch.cuda.reset_peak_memory_stats(device)  # CUDA only
         else:  # the tensor storage the step creates (docs/design.md section 6)
             self._stop_meter()
             self._meter = meter.StorageMeter(torch.device(device).type)
@@ -88,28 +93,25 @@ class MemoryTimelineLogger(pl.Callback):
         self._stop_meter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._logging:
+            if self._new_plan(trainer):
+                self._log_new_plan(trainer)
+            return
         device = pl_module.device
         if meter.is_cuda(device):
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - self._base
-            reserved = torch.cuda.memory_reserved(device)
+            peak = torch.cuda.max_memory_allocated(device) - self._base  # CUDA only
+            reserved = torch.cuda.memory_reserved(device)  # CUDA only
         else:
             peak = self._stop_meter()
             reserved = None
+        # Without a sync this is the host's time, which a full launch queue ties to the
+        # device's; on CUDA it is a lower bound for a step the host got ahead of.
         seconds = time.perf_counter() - self._t0
         writer = self._writer(trainer)
         if writer is None or not trainer.is_global_zero:
             return
         step = trainer.global_step
-        planner = self._planner(trainer)
-        entry = None
-        if planner is not None and planner.planned:
-            entry = planner.last
-            if id(entry) not in self._logged_plans:
-                self._logged_plans.add(id(entry))
-                self._log_plan(trainer, writer, entry, step)
-        if step % self.log_every_n_steps:
-            return
+        entry = self._log_new_plan(trainer)
         writer.add_scalar(f"{TAG}/peak_bytes", peak, step)
         writer.add_scalar(f"{TAG}/step_seconds", seconds, step)
         if reserved is not None:
@@ -121,6 +123,22 @@ class MemoryTimelineLogger(pl.Callback):
             plain_step = entry.graph.meta.step_seconds
             if plain_step:
                 writer.add_scalar(f"{TAG}/extra_time_ratio", seconds / plain_step, step)
+
+    def _log_new_plan(self, trainer: Any) -> Any:
+        """Log the plan of the latest step if it is new; the plan in use (None: none)."""
+        planner = self._planner(trainer)
+        if planner is None or not planner.planned:
+            return None
+        entry = planner.last
+        writer = self._writer(trainer)
+        if id(entry) not in self._logged_plans and writer is not None and trainer.is_global_zero:
+            self._logged_plans.add(id(entry))
+            self._log_plan(trainer, writer, entry, trainer.global_step)
+        return entry
+
+    def _new_plan(self, trainer: Any) -> bool:
+        planner = self._planner(trainer)
+        return bool(planner is not None and planner.planned and id(planner.last) not in self._logged_plans)
 
     def _log_plan(self, trainer: Any, writer: Any, entry: Any, step: int) -> None:
         predicted = entry.predicted_timeline()

@@ -7,7 +7,7 @@ budget, applies the plan and then runs that very call through it, so no batch is
 optimizer step is taken twice. Evaluation and ``no_grad`` calls run the original forward.
 Plans are cached in SQLite and stored in Lightning checkpoints, so a restart or a resume
 skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
-adds Lightning's hooks, rank-zero logging and, under DDP, rank zero's plan broadcast.
+adds Lightning's hooks, rank-zero logging and, under DDP, the ranks' agreement on new inputs.
 
 The classes are ``pytorch_lightning`` strategies (the package this project depends on);
 ``import lightning_remat`` registers ``"remat"`` and ``"remat_ddp"`` in its registry.
@@ -30,7 +30,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
-from lightning_remat.planner import Planned, Planner, PlanSettings, shapes_of
+from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
+from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, shapes_of
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
 
@@ -134,7 +135,7 @@ class RematHooks:
         world_size = getattr(self, "world_size", 1)
         self.planner = Planner(
             module, self.remat_settings, cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
-            restored=self._restored, broadcast=self.broadcast if world_size > 1 else None,  # type: ignore[attr-defined]
+            restored=self._restored, ranks=DistributedRanks() if world_size > 1 else None,
             on_plan=self._on_plan, keep_example=self._add_dashboards(trainer),
         )
         original_forward = module.forward
@@ -158,7 +159,6 @@ class RematHooks:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
         # Imported here: importing memory_timeline imports pytorch_lightning, whose first import
         # registers the strategies by importing this module (lightning_remat/__init__.py).
-        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False
@@ -256,8 +256,9 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
 
 
 class RematDDPStrategy(RematHooks, DDPStrategy):
-    """Distributed data parallel within a memory budget: rank zero plans, every rank
-    applies the same plan. Arguments as :class:`RematStrategy`, plus DDPStrategy's."""
+    """Distributed data parallel within a memory budget: the ranks agree on every new input,
+    and each applies the plan made for its own input. Arguments as :class:`RematStrategy`,
+    plus DDPStrategy's."""
 
     strategy_name = "remat_ddp"
 

@@ -34,7 +34,7 @@ from torch import nn
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, Traced
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
-from lightning_remat.runtime.offload import OffloadHooks
+from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
     CompiledStages,
     RestoreNormStatistics,
@@ -214,7 +214,12 @@ class RematModule(nn.Module):
                     context_fn=self._context_fn(program),
                 )
             elif program.action == "offload" and grad_mode:
-                with self._remat_offload_factory(program.index, variant.plan.stages[program.index]):
+                hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
+                if isinstance(hooks, OffloadHooks):
+                    # What the profile counts as resident stays (docs/design.md section 5).
+                    hooks.keep_resident([*self.parameters(), *self.buffers(), args, kwargs])
+                    hooks.reserve(*plan_offload_bytes(variant.graph, variant.plan))
+                with hooks:
                     outputs = program.fn(self, *inputs)
             else:
                 outputs = program.fn(self, *inputs)
