@@ -240,12 +240,18 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         default_root_dir=args.root_dir, logger=False, enable_checkpointing=False,
         enable_model_summary=False, enable_progress_bar=False,
     )
-    report = find_max_batch_size(
-        trainer, model, memory_budget=args.budget, solver=args.solver, batch_arg_name=args.batch_arg_name,
-        init_val=args.init_val, max_val=args.max_val, steps_per_trial=args.steps_per_trial,
-        max_trials=args.max_trials, granularity=args.granularity, compare_plain=not args.no_plain,
-        storage=args.storage, progress_bar=not args.no_progress,
-    )
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+    try:
+        report = find_max_batch_size(
+            trainer, model, memory_budget=args.budget, solver=args.solver,
+            batch_arg_name=args.batch_arg_name, init_val=args.init_val, max_val=args.max_val,
+            steps_per_trial=args.steps_per_trial, max_trials=args.max_trials,
+            granularity=args.granularity, compare_plain=not args.no_plain, storage=args.storage,
+            progress_bar=not args.no_progress,
+        )
+    except MisconfigurationException as exc:  # e.g. no attribute named --batch-arg-name
+        raise UsageError(f"{args.model}: {_one_line(exc)}") from None
     print(report.table())
     return 0 if report.batch_size else 2
 

@@ -30,7 +30,6 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
-from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, shapes_of
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
@@ -159,6 +158,7 @@ class RematHooks:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
         # Imported here: importing memory_timeline imports pytorch_lightning, whose first import
         # registers the strategies by importing this module (lightning_remat/__init__.py).
+        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False

@@ -34,14 +34,14 @@ def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _plan_and_train(cache_path) -> tuple[Planner, list[torch.Tensor]]:
     model = _model()
-    planner = Planner(model, PlanSettings("85%", "auto"), cache=PlanCache(cache_path))
-    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    planner = Planner(model, PlanSettings("80%", "auto", profile_repeats=1), cache=PlanCache(cache_path))
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
     grads = _grads(planner.remat_module, x)
     return planner, grads
 
 
 def _plain_grads() -> list[torch.Tensor]:
-    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(1))
     return _grads(_model(), x)
 
 

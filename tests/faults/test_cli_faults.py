@@ -88,3 +88,11 @@ def test_a_budget_written_as_a_fraction_is_a_fraction(files, capsys):
     assert main(["solve", "--graph", "g.json", "--budget", "0.5", "--solver", "plain"]) == 2
     assert "no plan fits a budget of 350 B" in capsys.readouterr().err  # half of 700 B
     assert main(["solve", "--graph", "g.json", "--budget", "1.0", "--solver", "plain"]) == 0
+
+
+@pytest.mark.slow
+def test_tune_with_an_unknown_batch_attribute_is_one_line(files, capsys):
+    code, err = _run(["tune", "cli_factories:linear", "--input-shape", "4", "--budget", "1MiB",
+                      "--batch-arg-name", "no_such_attribute", "--no-progress"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no_such_attribute" in err and "Traceback" not in err
