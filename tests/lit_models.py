@@ -41,6 +41,13 @@ class ConvNet(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
+    def teardown(self, stage):
+        # Spawned DDP ranks leave the process group together: a gloo rank that exits while the
+        # other still holds the connection can abort it (SIGABRT after "Trainer.fit stopped").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
 
 def loaders(n: int = 64, batch_size: int = 16, size: int = 32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
