@@ -197,15 +197,10 @@ class _Reader:
 _STOP_NODES = ("AccumulateGrad",)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors inside an op's output or arguments (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a value: an op's output or arguments, any nesting of tuples,
+    lists and dicts (torch's pytree)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 class _BackwardAttribution:
@@ -219,7 +214,7 @@ class _BackwardAttribution:
         self.order: list[str] = []
 
     def attribute(self, op: str, outputs: Any, stop: set[Any]) -> None:
-        todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+        todo = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
         count = 0
         while todo:
             fn = todo.pop()
@@ -234,7 +229,7 @@ class _BackwardAttribution:
 
 
 def _input_grad_fns(args: Any) -> set[Any]:
-    return {t.grad_fn for t in _tensors(args) if t.grad_fn is not None}
+    return {t.grad_fn for t in tensors_in(args) if t.grad_fn is not None}
 
 
 def record_timeline(
@@ -262,7 +257,7 @@ def record_timeline(
         first = next(iter(module.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
-    loss_fn = loss_fn or (lambda out: sum(t.sum() for t in _tensors(out)))
+    loss_fn = loss_fn or (lambda out: sum(t.sum() for t in tensors_in(out)))
 
     old_grads = {p: p.grad for p in module.parameters()}
     for p in old_grads:

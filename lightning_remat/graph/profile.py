@@ -62,16 +62,12 @@ from lightning_remat.graph.trace import (
     is_getitem,
     trace_module,
 )
-from lightning_remat.meter import StorageMeter, peak_bytes
+from lightning_remat.meter import StorageMeter, peak_bytes, tensors_in
 
 __all__ = ["profile_module"]
 
 LossFn = Callable[[Any], torch.Tensor]
 _INPUT = "<input>"
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -88,7 +84,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 def _output_bytes(value: Any) -> int:
     """Bytes of a value's tensors, each storage counted once and at most its own size."""
     per_storage: dict[int, list[int]] = {}
-    for t in _tensors(value):
+    for t in tensors_in(value):
         ptr, size = _storage(t)
         entry = per_storage.setdefault(ptr, [size, 0])
         entry[1] += t.numel() * t.element_size()
@@ -325,14 +321,14 @@ class _OpMeter:
         # producer the getitem vertex that picks the element.
         own: dict[int, list[str]] = defaultdict(list)
         if elements is None:
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 own[_storage(t)[0]].append(vid)
             rec.mem[vid] = _output_bytes(out)
-            rec.requires_grad[vid] = any(t.requires_grad for t in _tensors(out))
-            rec.numel[vid] = sum(t.numel() for t in _tensors(out))
+            rec.requires_grad[vid] = any(t.requires_grad for t in tensors_in(out))
+            rec.numel[vid] = sum(t.numel() for t in tensors_in(out))
         else:
             for owner, element in elements(out):
-                for t in _tensors(element):
+                for t in tensors_in(element):
                     own[_storage(t)[0]].append(owner)
         # Views and in-place results share an earlier vertex's storage: record the vertex
         # that owns it (the alias root), or that it is the storage of an input/parameter.
@@ -356,7 +352,7 @@ class _OpMeter:
                 rec.saved_input[vid] += size
             elif ref is not None and rec.root(ref) not in rec.saved_refs[vid]:
                 rec.saved_refs[vid].append(rec.root(ref))
-        self.timer.attach(vid, _tensors(out), rec)
+        self.timer.attach(vid, tensors_in(out), rec)
         return out
 
 
@@ -407,7 +403,7 @@ class _Profiler(fx.Interpreter, _OpMeter):
                 value = prepare(a, value)
             label = self._label(a)
             if label is not None:
-                for t in _tensors(value):
+                for t in tensors_in(value):
                     labels.setdefault(_storage(t)[0], label)
             return value
 
@@ -468,7 +464,7 @@ class _Profiler(fx.Interpreter, _OpMeter):
         self.timer.skip_leaves = copies
         with torch.enable_grad():
             out = self._measure(n, rec, prepare)
-        outputs = [t for t in _tensors(out) if t.requires_grad]
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
         self.requires_grad[n.name] = pytree.tree_map(
             lambda t: t.requires_grad if isinstance(t, torch.Tensor) else None, out
         )
@@ -495,7 +491,7 @@ class _SubmoduleProfiler(_OpMeter):
         """Storage -> the vertex that produced it (or the input)."""
 
     def run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        for t in _tensors((list(inputs), kwargs)):
+        for t in tensors_in((list(inputs), kwargs)):
             self.labels[_storage(t)[0]] = _INPUT
         with self._measuring():
             return self.module(*inputs, **kwargs)
@@ -518,7 +514,7 @@ class _SubmoduleProfiler(_OpMeter):
     def _measured(self, vid: str, inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             labels: dict[int, str] = {}
-            for t in _tensors((list(args), kwargs)):
+            for t in tensors_in((list(args), kwargs)):
                 ptr = _storage(t)[0]
                 if ptr in self.labels:
                     labels.setdefault(ptr, self.labels[ptr])
@@ -529,7 +525,7 @@ class _SubmoduleProfiler(_OpMeter):
                     out = inner(*args, **kwargs)
             else:
                 out = self.measure_op(self.records[0], vid, lambda: inner(*args, **kwargs), labels, None)
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 ptr = _storage(t)[0]
                 if ptr not in labels:  # not a view of an input
                     self.labels[ptr] = vid
@@ -573,7 +569,7 @@ class _SubmoduleProfiler(_OpMeter):
         self.timer.skip_leaves = copies
         with torch.enable_grad():
             out = self.measure_op(rec, vid, lambda: inner(*copied_args, **copied_kwargs), labels, None)
-        outputs = [t for t in _tensors(out) if t.requires_grad]
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         rec.resolve(self.clock)
@@ -594,7 +590,7 @@ def _looks_inplace(n: fx.Node, root: nn.Module) -> bool:
 
 
 def _dtype_of(module: nn.Module, inputs: Iterable[Any]) -> str:
-    candidates = list(module.parameters()) + _tensors(list(inputs))
+    candidates = list(module.parameters()) + tensors_in(list(inputs))
     for t in candidates:
         if t.is_floating_point():
             return str(t.dtype).replace("torch.", "")
@@ -669,7 +665,7 @@ def _numel_per_node(traced: Traced, module: nn.Module, inputs: tuple[Any, ...],
     found: dict[str, int] = {}
     handles = [
         child.register_forward_hook(
-            lambda mod, args, out, name=name: found.setdefault(name, sum(t.numel() for t in _tensors(out))))
+            lambda mod, args, out, name=name: found.setdefault(name, sum(t.numel() for t in tensors_in(out))))
         for name, child in traced.children
     ]
     try:
@@ -711,7 +707,7 @@ def profile_module(
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
-    input_tensors = _tensors(list(inputs) + list(kwargs.values()))
+    input_tensors = tensors_in(list(inputs) + list(kwargs.values()))
     batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
     grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
     excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
