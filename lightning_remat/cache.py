@@ -1,7 +1,7 @@
 """Plans cached on disk, so a restart with the same setup skips profiling and solving.
 
 Every plan is stored beside a :class:`PlanBasis`, the record of everything that decided it
-(graph, inputs, device, budget, solver, precision, torch version). A plan from the cache or
+(graph, inputs, device, budget, solver, precision, torch version, world size and sharding). A plan from the cache or
 from a checkpoint is used only when its basis equals the current one field by field;
 otherwise it is planned again, and :func:`describe_change` names what changed.
 
@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,6 +69,11 @@ class PlanBasis:
     param_dtype: str
     """The dtypes of the module's parameters."""
     torch_version: str
+    world_size: str = "1"
+    """The number of processes training together (1 without torch.distributed)."""
+    sharding: str = "none"
+    """How the module's parameters are sharded (:func:`~lightning_remat.graph.trace.sharding_of`):
+    a sharded unit's parameters, gradients and gather buffers are part of the profile."""
 
     def digest(self) -> str:
         text = json.dumps([SCHEMA_VERSION, *asdict(self).values()])
@@ -78,8 +83,10 @@ class PlanBasis:
     def from_dict(cls, data: Any) -> PlanBasis | None:
         """The basis stored as a dict, or None when it is not one (an older format)."""
         names = [f.name for f in fields(cls)]
-        if not isinstance(data, dict) or sorted(data) != sorted(names) \
-                or not all(isinstance(data[n], str) for n in names):
+        # Fields with a default were added later: a basis written before them holds the rest.
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        if not isinstance(data, dict) or not set(required) <= set(data) <= set(names) \
+                or not all(isinstance(data[n], str) for n in data):
             return None
         return cls(**data)
 
@@ -87,7 +94,8 @@ class PlanBasis:
 _LABELS = {
     "graph_hash": "model graph", "input_key": "inputs", "device_name": "device",
     "budget": "budget", "solver": "solver", "autocast": "autocast",
-    "param_dtype": "parameter dtype", "torch_version": "torch",
+    "param_dtype": "parameter dtype", "torch_version": "torch", "world_size": "world size",
+    "sharding": "sharding",
 }
 
 

@@ -8,7 +8,9 @@ profiles the module on its device, turns the budget into bytes and solves. Under
 key it has no plan for; if one does, they gather the keys, the lowest rank holding each new
 key plans it and broadcasts the plan, and every rank applies the plan made for its own key.
 No collective is ever called by some ranks only (a short last batch or a per-rank padding
-gives ranks different keys). The plan is compiled into a
+gives ranks different keys). Under sharded data parallelism (torch FSDP) tracing and
+profiling run FSDP's own collectives, so every rank traces and profiles each new key
+together, on the inputs of the rank that owns it; that rank alone solves and broadcasts. The plan is compiled into a
 variant of one :class:`~lightning_remat.runtime.module.RematModule`, which then runs every
 call with that key.
 
@@ -47,7 +49,13 @@ from lightning_remat.device import (
 )
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
-from lightning_remat.graph.trace import CHILDREN, Traced, trace_module
+from lightning_remat.graph.trace import (
+    CHILDREN,
+    Traced,
+    sharded_gradients_kept,
+    sharding_of,
+    trace_module,
+)
 from lightning_remat.meter import TimelinePoint, record_timeline
 from lightning_remat.runtime.hooked import per_submodule_plan
 from lightning_remat.runtime.module import RematModule, Variant, build_traced_variant
@@ -193,6 +201,12 @@ def autocast_state(device: torch.device) -> str:
 def parameter_dtypes(module: nn.Module) -> str:
     """The module's parameter dtypes, e.g. ``"torch.float32"`` (sorted, comma separated)."""
     return ",".join(sorted({str(p.dtype) for p in module.parameters()})) or "none"
+
+
+def world_size() -> int:
+    """The number of processes in torch.distributed's default group (1 when there is none)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Ranks(Protocol):
@@ -373,6 +387,8 @@ class Planner:
         except (TypeError, ValueError):
             self._signature = None
         self._warned_about: set[str] = set()
+        self.sharding = sharding_of(module)
+        """How the module is sharded ("none" without FSDP): sharded ranks plan together."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.remat_module(*args, **kwargs)
@@ -417,7 +433,8 @@ class Planner:
             )
         self.busy = True
         try:
-            entry = self._plan(args, kwargs, key, make)
+            with sharded_gradients_kept(self.module):
+                entry = self._plan(args, kwargs, key, make)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -436,7 +453,9 @@ class Planner:
             if key is not None:
                 owners.setdefault(repr(key), rank)
         for key_repr, owner in sorted(owners.items()):
-            if owner == self.ranks.rank:
+            if self.sharding != "none":
+                self._plan_together(args, kwargs, new_key, owner)
+            elif owner == self.ranks.rank:
                 assert new_key is not None and repr(new_key) == key_repr
                 self._plan_and_share(args, kwargs, new_key)
             else:
@@ -448,15 +467,51 @@ class Planner:
                     )
                 self.agreed[key_repr] = payload
 
-    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey) -> None:
+    def _plan_together(self, args: tuple, kwargs: dict, new_key: InputKey | None, owner: int) -> None:
+        """Sharded ranks: every rank traces (and, unless the owner holds a stored plan,
+        profiles) the owner's new key together, on the owner's inputs, since FSDP gathers
+        parameters inside each unit's call; the owner solves and broadcasts the plan, and
+        every rank applies it. The owner's measurements decide, as under DDP."""
+        assert self.ranks is not None
+        ranks = self.ranks
+        device = module_device(self.module, args)
+        mine = owner == ranks.rank
+        shared = (move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")), new_key) if mine else None
+        call, key = ranks.broadcast(shared, owner)
+        if mine:
+            self._plan_and_share(args, kwargs, key, before_profile=lambda: ranks.broadcast(("profile",), owner))
+            return
+        call_args, call_kwargs = move_to_device(call, device)
+
+        def follow(args: tuple, kwargs: dict, key: InputKey, traced: Traced,
+                   basis: PlanBasis) -> tuple[Graph, Plan, bool]:
+            payload = ranks.broadcast(None, owner)
+            if payload[0] == "profile":
+                # This rank's share of FSDP's collectives while the owner profiles.
+                profile_module(self.module, args, example_kwargs=kwargs or None,
+                               repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
+                               traced=traced)
+                payload = ranks.broadcast(None, owner)
+            if payload[0] == "error":
+                raise RuntimeError(f"lightning_remat: rank {owner} could not plan its input "
+                                   f"({payload[1]}); every rank stops with it")
+            graph_json, plan_json, from_cache = payload
+            return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
+
+        self._add(call_args, call_kwargs, key, follow, stacklevel=9)
+
+    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey,
+                        before_profile: Callable[[], None] | None = None) -> None:
         """Plan this rank's new ``key`` and broadcast the plan, or the error that stopped it
-        (the other ranks wait in the broadcast and must not hang)."""
+        (the other ranks wait in the broadcast and must not hang). ``before_profile``: called
+        when no stored plan is found, just before profiling (sharded ranks profile together)."""
         assert self.ranks is not None
         ranks, shared = self.ranks, []
 
         def share(args: tuple, kwargs: dict, key: InputKey, traced: Traced,
                   basis: PlanBasis) -> tuple[Graph, Plan, bool]:
-            graph, plan, from_cache = self._plan_locally(args, kwargs, key, traced, basis)
+            graph, plan, from_cache = self._plan_locally(args, kwargs, key, traced, basis,
+                                                         before_profile=before_profile)
             shared.append(True)
             ranks.broadcast((graph.to_json(), plan.to_json(), from_cache), ranks.rank)
             return graph, plan, from_cache
@@ -491,6 +546,7 @@ class Planner:
             device_name=device_name(device), budget=repr(settings.memory_budget),
             solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
             param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
+            world_size=str(world_size()), sharding=self.sharding,
         )
         graph, plan, from_cache = make(args, kwargs, key, traced, basis)
         variant = build_traced_variant(traced, plan, self.remat_module, module)
@@ -501,7 +557,8 @@ class Planner:
         return Planned(key, variant, self.remat_module, example, basis)
 
     def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Traced,
-                      basis: PlanBasis) -> tuple[Graph, Plan, bool]:
+                      basis: PlanBasis, before_profile: Callable[[], None] | None = None,
+                      ) -> tuple[Graph, Plan, bool]:
         """The graph and plan for ``key``: agreed by the ranks, restored from a checkpoint,
         cached, or profiled and solved here; and whether it came from such a store."""
         if repr(key) in self.agreed:
@@ -518,6 +575,8 @@ class Planner:
                 self._say_why_not(basis, self.cache.bases(), "plan cache")
         module, settings = self.module, self.settings
         device = module_device(module, args)
+        if before_profile is not None:
+            before_profile()
         graph = profile_module(
             module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
             safe=settings.safe_profile, traced=traced,

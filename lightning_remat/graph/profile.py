@@ -58,6 +58,7 @@ from lightning_remat.graph.trace import (
     Traced,
     ValueRecorder,
     as_tuple,
+    call_through,
     default_loss,
     is_getitem,
     trace_module,
@@ -660,7 +661,7 @@ def _numel_per_node(traced: Traced, module: nn.Module, inputs: tuple[Any, ...],
     forward hooks while the model's own forward runs)."""
     if traced.kind != CHILDREN:
         recorder = ValueRecorder(traced.runner)
-        recorder.run(*traced.call_args(inputs, kwargs))
+        call_through(module, lambda: recorder.run(*traced.call_args(inputs, kwargs)))
         return recorder.numel
     found: dict[str, int] = {}
     handles = [
@@ -723,7 +724,8 @@ def profile_module(
         def make(safe_mode: bool = False, rounds: int = 1,
                  meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
             profiler = _Profiler(traced, device, excluded, safe_mode, rounds, meter)
-            return profiler, lambda: profiler.run(*args)
+            # Through the module's call when it is an FSDP unit: its hooks gather and reduce.
+            return profiler, lambda: call_through(module, lambda: profiler.run(*args))
 
     meta = traced.graph.meta.copy()
     meta.batch_size = batch

@@ -22,6 +22,17 @@ Which fx nodes are vertices is found by running the traced module once on the ex
 Meta: ``input_consumers``, ``outputs``, ``param_bytes`` (see :mod:`lightning_remat.graph.ir`)
 and ``shape_edges`` (``[[u, v], ...]``).
 
+Under sharded data parallelism (torch FSDP: ``fully_shard`` or ``FullyShardedDataParallel``)
+each sharded unit below the traced module is a leaf: one vertex, called through its own
+``__call__`` so FSDP's hooks gather its parameters before it runs and free them after (its
+inside holds sharded parameters that only those hooks make usable). A plan then keeps,
+recomputes or offloads whole units; a parameter counts at the size of the shard this rank
+holds, as its gradient does (docs/design.md section 7, "Sharded training").
+
+Length: the fx trace, the fallback and the sharded units' leaf policy decide together what a
+vertex is (a unit the tracer keeps whole is one the fallback and the profiler call whole),
+so they stay in one module.
+
 When fx cannot trace the module (data-dependent control flow, iteration over a tensor, a
 call that needs a tensor's value, ``*args``/``**kwargs``), or its graph does not reproduce
 ``module(x)`` on the example input, no forward is rebuilt: the model's own forward keeps
@@ -37,7 +48,8 @@ from __future__ import annotations
 import inspect
 import operator
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +62,126 @@ from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 
-__all__ = ["CHILDREN", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "trace_module"]
+__all__ = [
+    "CHILDREN", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem",
+    "call_through", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
+]
 
 
 CHILDREN = "children"
 """``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
+
+
+def _fsdp_unit_types() -> tuple[type, ...]:
+    """torch FSDP's unit classes (FSDP2 ``FSDPModule``, FSDP1 ``FullyShardedDataParallel``);
+    none without an initialised process group (no module can be sharded then, and the FSDP
+    modules are not imported for nothing)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return (FSDPModule, FullyShardedDataParallel)
+
+
+def is_sharded_unit(module: nn.Module) -> bool:
+    """Whether torch FSDP manages ``module`` as one unit (``fully_shard`` applied to it, or a
+    ``FullyShardedDataParallel`` wrapper)."""
+    types = _fsdp_unit_types()
+    return bool(types) and isinstance(module, types)
+
+
+def sharding_of(module: nn.Module) -> str:
+    """How ``module`` is sharded, for the record of what decided a plan: ``"none"``, or
+    ``"fully_shard: Block x4, GPT x1"`` (FSDP2) / ``"FullyShardedDataParallel: ..."`` (FSDP1),
+    the classes of its units with their counts."""
+    counts: dict[str, int] = {}
+    engine = ""
+    for sub in module.modules():
+        if not is_sharded_unit(sub):
+            continue
+        inner = getattr(sub, "module", sub) if type(sub).__name__ == "FullyShardedDataParallel" else sub
+        engine = "FullyShardedDataParallel" if inner is not sub else "fully_shard"
+        # fully_shard swaps in a class named "FSDP" + the module's own class name.
+        name = type(inner).__name__.removeprefix("FSDP") if inner is sub else type(inner).__name__
+        counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return "none"
+    return f"{engine}: " + ", ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` this process holds: a sharded parameter (a ``DTensor``) counts its local
+    shard, which is also the size of its gradient."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def call_through(module: nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()`` as the forward of ``module`` when it is an FSDP unit, called through
+    ``module()`` so that its hooks run around it: the unit's parameters gathered before and
+    its gradients reduced after the backward (profiling the sharded root runs its graph this
+    way). Any other module: ``run()`` as it is."""
+    if not is_sharded_unit(module):
+        return run()
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: run()  # type: ignore[method-assign]
+    try:
+        return module()
+    finally:
+        del module.forward
+        if had:
+            module.forward = previous  # type: ignore[method-assign]
+
+
+@contextmanager
+def sharded_gradients_kept(module: nn.Module) -> Iterator[None]:
+    """Around measuring runs of an FSDP2 module (tracing, profiling): its units' parameters
+    sharded before and after (``reshard()``, so ``parameters()`` are the sharded ones the
+    optimizer holds), their gradients set aside before and put back after, so the measuring
+    steps' reduced gradients never reach the training step. Any other module: nothing."""
+    units = [m for m in module.modules() if is_sharded_unit(m) and hasattr(m, "reshard")]
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.reshard()
+    kept = [(p, p.grad) for p in module.parameters()]
+    for p, _ in kept:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        for p, grad in kept:
+            p.grad = grad
+
+
+class _ShardedUnitTracer(fx.Tracer):
+    """fx's default leaf policy, plus: every FSDP unit below the root is a leaf (see the
+    module docstring)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_sharded_unit(m) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic_trace(module: nn.Module, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
+    """``fx.symbolic_trace``, with FSDP units as leaves when the module holds any."""
+    if not _fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
+        return fx.symbolic_trace(module, concrete_args=concrete_args)
+    tracer = _ShardedUnitTracer()
+    graph = tracer.trace(module, concrete_args=concrete_args)
+    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+    # GraphModule copies each parameter it reads into a table of its own; FSDP2 swaps the
+    # gathered parameter onto the owning module for each forward, so read the owner's table.
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            path = str(node.target).rpartition(".")[0]
+            copy, real = gm.get_submodule(path), module.get_submodule(path)
+            if copy is not real:
+                object.__setattr__(copy, "_parameters", real._parameters)
+    return gm
 
 
 @dataclass
@@ -309,7 +436,7 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
         for p in params:
             if id(p) not in counted:
                 counted.add(id(p))
-                total += p.numel() * p.element_size()
+                total += local_bytes(p)
         if total:
             param_bytes[vid] = param_bytes.get(vid, 0) + total
 
@@ -366,11 +493,12 @@ def _signature(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
 
 def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], devices: list[torch.device]) -> Traced:
     names, defaults, concrete = _signature(module, inputs, kwargs)
-    gm = fx.symbolic_trace(module, concrete_args=concrete or None)
+    gm = _symbolic_trace(module, concrete or None)
     traced = Traced(gm=gm, graph=Graph([], []), kind="fx", _signature_names=names, _defaults=defaults)
     args = traced.call_args(inputs, kwargs)
     recorder = ValueRecorder(gm)
-    expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs), lambda: recorder.run(*args), devices)
+    expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs),
+                                  lambda: call_through(module, lambda: recorder.run(*args)), devices)
     if not _same(expected, got):
         raise RuntimeError(
             "the traced graph's output differs from module(...) on the example input "
@@ -452,7 +580,7 @@ def _trace_children(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str
         new = [p for p in child.parameters() if id(p) not in counted]
         counted.update(id(p) for p in new)
         if new:
-            param_bytes[name] = sum(p.numel() * p.element_size() for p in new)
+            param_bytes[name] = sum(local_bytes(p) for p in new)
     meta = GraphMeta(input_consumers=[units[0][0]], outputs=[units[-1][0]],
                      param_bytes=param_bytes, shape_edges=[])
     return Traced(gm=None, graph=Graph(nodes, edges, meta), kind=CHILDREN, children=units,

@@ -119,8 +119,10 @@ class RematModule(nn.Module):
         # Adopt the original's direct members: same objects, same state_dict keys.
         for name, child in root._modules.items():
             self.add_module(name, child)
-        for name, param in root._parameters.items():
-            self.register_parameter(name, param)
+        # The parameters by sharing the original's table: a parameter the original swaps in
+        # place is the one the stages read (FSDP2 sets a unit's gathered parameters on it for
+        # the length of its forward and backward, and the sharded ones back after).
+        object.__setattr__(self, "_parameters", root._parameters)
         for name, buf in root._buffers.items():
             self.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training  # not .train(): children keep their own modes
