@@ -1,6 +1,7 @@
 """lightning-remat: train within a memory budget by recomputing or offloading activations.
 
-``import lightning_remat`` registers ``Trainer(strategy="remat")`` and ``"remat_ddp"``;
+``import lightning_remat`` registers ``Trainer(strategy="remat")``, ``"remat_ddp"`` and
+``"remat_fsdp"``;
 outside Lightning, ``lightning_remat.remat(module, example_input, memory_budget)`` is the
 one call.
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr_
     from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
     from lightning_remat.graph.ir import Graph
     from lightning_remat.lightning.batch_size import RematBatchSizeFinder, find_max_batch_size
+    from lightning_remat.lightning.fsdp import RematFSDPStrategy
     from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
     from lightning_remat.lightning.strategy import RematDDPStrategy, RematStrategy
     from lightning_remat.planner import remat
@@ -39,7 +41,7 @@ _EXPORTS = {
     "RematError": "errors", "RematInfeasibleError": "errors", "TraceError": "errors",
     "Graph": "graph.ir",
     "RematBatchSizeFinder": "lightning.batch_size", "find_max_batch_size": "lightning.batch_size",
-    "MemoryTimelineLogger": "lightning.memory_timeline",
+    "MemoryTimelineLogger": "lightning.memory_timeline", "RematFSDPStrategy": "lightning.fsdp",
     "RematDDPStrategy": "lightning.strategy", "RematStrategy": "lightning.strategy",
     "remat": "planner",
     "RematModule": "runtime.module", "apply_plan": "runtime.module",
@@ -50,13 +52,19 @@ _EXPORTS = {
 
 __all__ = [
     "SOLVERS", "Graph", "MemoryTimelineLogger", "Plan", "RematBatchSizeFinder", "RematDDPStrategy",
+    "RematFSDPStrategy",
     "RematError", "RematInfeasibleError", "RematModule", "RematStrategy", "Stage", "TraceError",
     "__version__", "apply_plan", "find_max_batch_size", "format_bytes", "min_budget",
     "parse_budget", "remat", "solve",
 ]
 
-_STRATEGIES = "lightning_remat.lightning.strategy"
-"""Importing it registers the strategies in pytorch_lightning's registry."""
+_STRATEGIES = ("lightning_remat.lightning.strategy", "lightning_remat.lightning.fsdp")
+"""Importing them registers the strategies in pytorch_lightning's registry."""
+
+
+def _register_strategies() -> None:
+    for name in _STRATEGIES:
+        importlib.import_module(name)
 
 
 def __getattr__(name: str) -> Any:
@@ -83,7 +91,7 @@ class _RegistersAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        importlib.import_module(_STRATEGIES)
+        _register_strategies()
 
 
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
@@ -106,6 +114,6 @@ def _remove_hook() -> None:
 
 
 if "pytorch_lightning" in sys.modules:
-    importlib.import_module(_STRATEGIES)
+    _register_strategies()
 elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterWhenLightningLoads())

@@ -32,6 +32,7 @@ FLOW: list[tuple[str, ...]] = [
     ("report",),
     ("lightning.memory_timeline", "lightning.synthetic"),
     ("lightning.strategy",),
+    ("lightning.fsdp",),
     ("lightning.batch_size",),
     ("callbacks",),
     ("cli",),

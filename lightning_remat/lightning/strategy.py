@@ -116,18 +116,22 @@ class RematHooks:
         return checkpoint
 
     # ---- installing the wrapper --------------------------------------------------------
+    def target_module(self, lightning_module: pl.LightningModule) -> torch.nn.Module:
+        """The module whose forward is planned: the submodule named by ``target``, else the
+        LightningModule."""
+        if not self.target:
+            return lightning_module
+        try:
+            return lightning_module.get_submodule(self.target)
+        except AttributeError:
+            names = [n for n, _ in lightning_module.named_children()]
+            raise ValueError(
+                f"{type(self).__name__}(target={self.target!r}): the LightningModule has no "
+                f"such submodule; its children are {names}"
+            ) from None
+
     def _install(self, trainer: pl.Trainer) -> None:
-        lightning_module = self.lightning_module  # type: ignore[attr-defined]
-        module = lightning_module
-        if self.target:
-            try:
-                module = module.get_submodule(self.target)
-            except AttributeError:
-                names = [n for n, _ in lightning_module.named_children()]
-                raise ValueError(
-                    f"{type(self).__name__}(target={self.target!r}): the LightningModule has no "
-                    f"such submodule; its children are {names}"
-                ) from None
+        module = self.target_module(self.lightning_module)  # type: ignore[attr-defined]
         cache_dir = self.cache_dir
         if cache_dir is None:
             cache_dir = default_cache_dir(trainer.default_root_dir)
