@@ -47,6 +47,7 @@ from lightning_remat.device import (
     preserved_state,
     preserved_training_state,
 )
+from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
@@ -65,7 +66,7 @@ from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
 __all__ = [
-    "DistributedRanks", "InputKey", "PlanSettings", "Planned", "Planner", "Ranks", "input_key",
+    "DistributedRanks", "InputKey", "PlanSettings", "Planned", "Planner", "Ranks", "input_key", "world_size",
     "plain_peak_bytes", "remat",
 ]
 
@@ -461,10 +462,7 @@ class Planner:
             else:
                 payload = self.ranks.broadcast(None, owner)
                 if payload[0] == "error":
-                    raise RuntimeError(
-                        f"lightning_remat: rank {owner} could not plan its input "
-                        f"({payload[1]}); every rank stops with it"
-                    )
+                    _raise_shared_error(payload, owner)
                 self.agreed[key_repr] = payload
 
     def _plan_together(self, args: tuple, kwargs: dict, new_key: InputKey | None, owner: int) -> None:
@@ -493,8 +491,7 @@ class Planner:
                                traced=traced)
                 payload = ranks.broadcast(None, owner)
             if payload[0] == "error":
-                raise RuntimeError(f"lightning_remat: rank {owner} could not plan its input "
-                                   f"({payload[1]}); every rank stops with it")
+                _raise_shared_error(payload, owner)
             graph_json, plan_json, from_cache = payload
             return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
 
@@ -520,7 +517,9 @@ class Planner:
             self._add(args, kwargs, key, share, stacklevel=9)  # < _plan_and_share < _agree
         except Exception as exc:
             if not shared:
-                ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), ranks.rank)
+                infeasible = ((exc.budget_bytes, exc.min_budget_bytes, exc.tried)
+                              if isinstance(exc, RematInfeasibleError) else None)
+                ranks.broadcast(("error", f"{type(exc).__name__}: {exc}", infeasible), ranks.rank)
             raise
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
@@ -624,6 +623,17 @@ class Planner:
         nearest = min(near, key=lambda b: sum(getattr(b, n) != getattr(basis, n) for n in names))
         warnings.warn(describe_change(nearest, basis, source), stacklevel=3)
         return True
+
+
+def _raise_shared_error(payload: tuple, owner: int) -> None:
+    """Raise, on a rank that waited for it, the error that stopped rank ``owner`` planning:
+    the same :class:`RematInfeasibleError` when no plan fit (a batch-size trial records it as
+    infeasible on every rank), else a RuntimeError naming it."""
+    infeasible = payload[2] if len(payload) > 2 else None
+    if infeasible is not None:
+        raise RematInfeasibleError(*infeasible)
+    raise RuntimeError(f"lightning_remat: rank {owner} could not plan its input ({payload[1]}); "
+                       "every rank stops with it")
 
 
 _PlanMaker = Callable[[tuple, dict, InputKey, Traced, PlanBasis], tuple[Graph, Plan, bool]]

@@ -12,6 +12,8 @@ Lightning trial). This module holds what does not depend on Lightning:
 - :func:`run_search`, which drives the study: one Optuna trial per size the sampler
   proposes, infeasible results (no plan, OOM, peak over budget) recorded as completed trials
   that violate the constraint ``within_budget``, never as crashes.
+- :func:`run_search_across_ranks`, the same search for data-parallel ranks: one study on
+  rank zero, every rank runs each trial, a size fits only where it fits on every rank;
 - :class:`SearchResult`, what one search found (rendered by
   :class:`lightning_remat.report.BatchSizeReport`).
 
@@ -38,6 +40,7 @@ from torch import nn
 from lightning_remat.cache import default_cache_dir, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
 from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.planner import Ranks
 
 PARAM = "batch_size"
 """The one parameter of a batch-size study."""
@@ -345,6 +348,70 @@ def run_search(
         finished=sampler.proposal(study) is None,
         pareto=pareto_front(feasible),
     )
+
+
+class TrialFailedOnRank(RuntimeError):
+    """A trial raised on some rank (every rank raises it together, from the same gather)."""
+
+
+def combine_trials(results: Sequence[TrialResult]) -> TrialResult:
+    """One verdict for a trial every rank ran: it fits only when it fits on every rank, its
+    peak is the worst rank's, its time the slowest rank's (the step waits for it)."""
+    first = results[0]
+    peaks = [r.peak_bytes for r in results if r.peak_bytes is not None]
+    seconds = [r.seconds for r in results if r.seconds is not None]
+    reasons = [f"rank {rank}: {r.reason}" for rank, r in enumerate(results) if r.reason]
+    return TrialResult(
+        feasible=all(r.feasible for r in results), peak_bytes=max(peaks) if peaks else None,
+        seconds=max(seconds) if seconds else None, reason="; ".join(reasons[:1]),
+        predicted_extra_seconds=first.predicted_extra_seconds,
+        predicted_peak_bytes=first.predicted_peak_bytes, solver=first.solver,
+    )
+
+
+def _trial_on_every_rank(trial_fn: TrialFn, batch_size: int, ranks: Ranks) -> TrialResult:
+    try:
+        local, error = run_trial_safely(trial_fn, batch_size), ""
+    except Exception as exc:  # shared below, so that no rank waits for one that stopped
+        local, error = TrialResult(False), f"{type(exc).__name__}: {exc}"
+    gathered = ranks.gather((local, error))
+    errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(gathered) if e]
+    if errors:
+        raise TrialFailedOnRank(f"lightning_remat: the trial at batch size {batch_size} failed on "
+                                + "; ".join(errors))
+    return combine_trials([r for r, _ in gathered])
+
+
+def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any) -> SearchResult:
+    """:func:`run_search` for data-parallel ranks (DDP, FSDP): one study, on rank zero (the
+    only rank that opens the storage); rank zero broadcasts each size it tries, every rank
+    runs the trial (FSDP's collectives need all of them), and the trial fits only when it
+    fits on every rank (:func:`combine_trials`: the worst peak over ranks). Every rank
+    returns rank zero's result. ``search_args``: :func:`run_search`'s keywords."""
+    if ranks.rank != 0:
+        while True:
+            kind, value = ranks.broadcast(None, 0)
+            if kind == "trial":
+                _trial_on_every_rank(trial_fn, value, ranks)
+            elif kind == "done":
+                return value
+            else:
+                raise RuntimeError(f"lightning_remat: rank 0's batch-size search stopped ({value}); "
+                                   "every rank stops with it")
+
+    def lead(batch_size: int) -> TrialResult:
+        ranks.broadcast(("trial", batch_size), 0)
+        return _trial_on_every_rank(trial_fn, batch_size, ranks)
+
+    try:
+        result = run_search(lead, **search_args)
+    except TrialFailedOnRank:
+        raise  # every rank raised it
+    except BaseException as exc:
+        ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), 0)
+        raise
+    ranks.broadcast(("done", result), 0)
+    return result
 
 
 def sqlite_path(storage: Any) -> Path | None:

@@ -17,6 +17,13 @@ names an attribute of the model, its ``hparams`` or the datamodule (found with L
 ``lightning_hasattr``), the search runs in ``on_fit_start`` and the largest feasible size is
 written back with ``lightning_setattr``.
 
+Under ``remat_ddp`` and ``remat_fsdp`` the search spans the ranks
+(:func:`~lightning_remat.tuning.run_search_across_ranks`): one study on rank zero, every
+rank runs each trial's steps, a size fits only when it fits on every rank (the worst peak
+over ranks), and every rank writes the same answer, so every rank's dataloader gets it.
+Lightning's ``BatchSizeFinder`` refuses distributed strategies because the ranks would have
+to agree on an out-of-memory error; here each rank measures, and the ranks compare.
+
 Length: the trial, its verdict and the callback that drives it read the same Trainer
 internals (the fit loop's data source, the precision plugin, the optimizers); apart, each
 would import the other's private helpers.
@@ -49,9 +56,10 @@ from torch import nn
 from lightning_remat.budget import parse_budget
 from lightning_remat.cache import PlanCache, default_cache_dir
 from lightning_remat.device import default_budget, move_to_device, preserved_training_state
+from lightning_remat.graph.trace import local_bytes
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
-from lightning_remat.planner import Planned, Planner, PlanSettings
+from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, world_size
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.solvers import SOLVERS
 from lightning_remat.tuning import (
@@ -61,6 +69,7 @@ from lightning_remat.tuning import (
     check_search_args,
     default_storage,
     run_search,
+    run_search_across_ranks,
     study_name_for,
 )
 
@@ -188,8 +197,11 @@ class LightningTrial:
         self.solver = solver
         self.settings = settings
         self.budget_bytes = settings.budget_bytes
-        self.target = model.get_submodule(settings.target) if settings.target else model
-        self.device = trainer.strategy.root_device
+        strategy = trainer.strategy
+        # The strategy's own choice (under remat_fsdp the outermost sharded unit).
+        self.target = strategy.target_module(model) if isinstance(strategy, RematHooks) else (
+            model.get_submodule(settings.target) if settings.target else model)
+        self.device = strategy.root_device
 
     def batch(self, batch_size: int) -> Any:
         """A training batch of exactly ``batch_size`` samples on the device."""
@@ -200,14 +212,17 @@ class LightningTrial:
         return self.trainer.strategy.batch_to_device(batch, self.device)
 
     def _capture_call(self, batch: Any) -> tuple[tuple, dict]:
-        def capture(*args: Any, **kwargs: Any) -> Any:
+        def capture(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             raise _Captured(args, kwargs)
 
-        with _forward_replaced(self.target, capture):
-            try:
-                self.model.training_step(batch, 0)
-            except _Captured as call:
-                return call.args, call.kwargs
+        # A pre-hook ahead of any other (an FSDP unit's would gather its parameters first).
+        handle = self.target.register_forward_pre_hook(capture, prepend=True, with_kwargs=True)
+        try:
+            self.model.training_step(batch, 0)
+        except _Captured as call:
+            return call.args, call.kwargs
+        finally:
+            handle.remove()
         raise RuntimeError(
             "training_step never called the module being planned; pass target= naming the "
             "submodule that training_step runs"
@@ -234,9 +249,7 @@ class LightningTrial:
             self._step(batch)
 
         peak = peak_bytes(step, self.device)
-        grad_bytes = sum(
-            p.grad.numel() * p.grad.element_size() for p in without_grad if p.grad is not None
-        )
+        grad_bytes = sum(local_bytes(p.grad) for p in without_grad if p.grad is not None)
         return peak, grad_bytes
 
     def _optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -261,6 +274,7 @@ class LightningTrial:
                 planner = Planner(
                     self.target, dataclasses.replace(self.settings.plan, solver=self.solver),
                     cache=PlanCache(self.settings.cache_dir / "plans.sqlite"),
+                    ranks=DistributedRanks() if world_size() > 1 else None,  # rank zero plans
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
@@ -369,9 +383,10 @@ class RematBatchSizeFinder(Callback):
 
     # ---- Lightning hooks ------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
-        if trainer._accelerator_connector.is_distributed:
-            raise MisconfigurationException("RematBatchSizeFinder does not support distributed strategies; "
-                                            "run it on one device, then train with remat_ddp")
+        if trainer._accelerator_connector.is_distributed and not isinstance(trainer.strategy, RematHooks):
+            raise MisconfigurationException(
+                f"RematBatchSizeFinder does not support {type(trainer.strategy).__name__}; across ranks "
+                "it runs under strategy='remat_ddp' or 'remat_fsdp'")
         if stage == "fit" and not trainer.fit_loop._data_source.is_module():
             raise MisconfigurationException(
                 "RematBatchSizeFinder cannot change the batch size of dataloaders passed directly to "
@@ -423,11 +438,14 @@ class RematBatchSizeFinder(Callback):
         name = study_name_for(pl_module, settings.device, settings.budget_bytes, solver, sample_shape)
         if self.study_name:
             name = f"{self.study_name}|{name}"
-        return run_search(
-            trial_fn, init_val=init_val, max_val=self.max_val, granularity=self.granularity,
+        search_args = dict(
+            init_val=init_val, max_val=self.max_val, granularity=self.granularity,
             max_trials=self.max_trials, storage=storage, study_name=name, label=label,
             solver=solver, progress_bar=self.progress_bar,
         )
+        if world_size() > 1:
+            return run_search_across_ranks(trial_fn, DistributedRanks(), **search_args)
+        return run_search(trial_fn, **search_args)
 
     def make_trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, solver: str,
                    settings: SearchSettings) -> TrialFn:
