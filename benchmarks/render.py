@@ -271,7 +271,15 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
             table = solver_table(record)
             if table:
                 out += table + [""]
+    out += distributed_section()
     return "\n".join(out).rstrip() + "\n"
+
+
+def distributed_section() -> list[str]:
+    """The rows ``benchmarks/distributed.py`` measured (its own results folder)."""
+    from benchmarks.distributed import render_section
+
+    return render_section()
 
 
 README = ROOT / "README.md"

@@ -53,3 +53,33 @@ def test_unreadable_file_is_moved_aside(tmp_path):
     with pytest.warns(UserWarning, match="cannot be read"):
         cache = PlanCache(path)
     assert len(cache) == 0 and (tmp_path / "plans.sqlite.corrupt").exists()
+
+
+def test_a_plan_made_for_another_world_size_or_sharding_is_made_again_with_one_line():
+    import dataclasses
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from lightning_remat.cache import StoredPlan
+    from lightning_remat.planner import Planner, PlanSettings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+    x = torch.randn(256, 16)
+    first = Planner(model, PlanSettings("75%", profile_repeats=1))
+    entry = first.planned_for((x,), {})
+    assert (entry.basis.world_size, entry.basis.sharding) == ("1", "none")
+    stored = StoredPlan(entry.graph.to_json(), entry.plan.to_json(),
+                        dataclasses.replace(entry.basis, world_size="2", sharding="fully_shard: Linear x6"))
+    again = Planner(model, PlanSettings("75%", profile_repeats=1), restored={repr(entry.key): stored})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.planned_for((x,), {})
+    lines = [str(w.message) for w in caught if "planning again" in str(w.message)]
+    assert lines == ["lightning-remat: the checkpoint's plan was made for world size 2, sharding "
+                     "fully_shard: Linear x6, this run asks for world size 1, sharding none: planning again"]
+    # A basis written before these fields existed still reads (as one process, unsharded).
+    old = {k: v for k, v in stored.to_dict()["basis"].items() if k not in ("world_size", "sharding")}
+    assert PlanBasis.from_dict(old) == dataclasses.replace(entry.basis)

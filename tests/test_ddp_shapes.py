@@ -135,7 +135,8 @@ def test_a_rank_that_cannot_plan_stops_every_rank_with_its_reason():
     errors = [r.get("error") for r in results]
     assert all(errors), errors  # nobody hangs, nobody trains on
     assert "smallest feasible budget" in str(errors[0])
-    assert str(errors[1]).startswith("lightning_remat: rank 0 could not plan its input (RematInfeasibleError")
+    # The waiting rank raises the same error (a batch-size trial then records both as infeasible).
+    assert type(errors[1]) is type(errors[0]) and str(errors[1]) == str(errors[0])
 
 
 # ---- the same on two real processes (gloo), through Lightning ------------------------------
