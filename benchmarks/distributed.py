@@ -168,16 +168,21 @@ def _rank_main(rank: int, args: argparse.Namespace, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         rows: dict[str, dict[str, Any]] = {}
+
+        def keep() -> None:  # after every figure, so a run cut short keeps what it measured
+            if rank == 0:
+                Path(out_path).write_text(json.dumps(rows))
+
         plain = _measure("plain", args.batch, args, None, args.steps)
         rows["plain"] = plain
         for method in METHODS[1:]:
             budget = method.partition(":")[2] if method.startswith("remat:") else None
             rows[method] = _measure(method, args.batch, args, budget, args.steps)
+            keep()
         if not args.no_largest:
             for method in METHODS:
                 rows[method]["largest_batch"] = _largest_batch(method, args, plain["peak_bytes"])
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(rows))
+                keep()
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -206,9 +211,12 @@ def render_section(results: Path = RESULTS) -> list[str]:
             if not row.get("feasible"):
                 out.append(f"| {LABELS[method]} | infeasible: {row.get('reason', '')[:80]} | | | |")
                 continue
+            largest = row.get("largest_batch", "-")
+            if largest == record.get("max_batch"):
+                largest = f">= {largest} (the largest tried)"
             out.append(f"| {LABELS[method]} | {row['peak_bytes'] / MiB:.1f} | "
                        f"{row['peak_bytes'] / plain['peak_bytes']:.2f} | {row['seconds'] / plain['seconds']:.2f} | "
-                       f"{row.get('largest_batch', '-')} |")
+                       f"{largest} |")
         out.append("")
     return out
 
@@ -239,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     mp.spawn(_rank_main, args=(args, str(tmp)), nprocs=2)
     rows = json.loads(tmp.read_text())
     tmp.unlink()
+    print(f"measured in {time.time() - started:.0f} s")
     commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "model": "gpt", "world_size": 2, "backend": "gloo", "batch": args.batch, "context": args.context,
         "shape": {"vocab": args.vocab, "width": args.width, "depth": args.depth, "heads": args.heads},
-        "granularity": args.granularity, "commit": commit + ("+dirty" if dirty else ""),
+        "granularity": args.granularity, "max_batch": args.max_batch, "commit": commit + ("+dirty" if dirty else ""),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores", "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_seconds": round(time.time() - started), "rows": rows,

@@ -156,3 +156,32 @@ def test_registered_as_remat_fsdp(tmp_path):
     trainer = pl.Trainer(strategy="remat_fsdp", **trainer_kwargs(tmp_path, devices=2))
     assert isinstance(trainer.strategy, RematFSDPStrategy)
     assert trainer.strategy.world_size == 2
+
+
+class OneDeviceFSDP(ModelParallelStrategy):
+    """Plain FSDP on one process, in this one."""
+
+
+def _fit_one_device(tmp_path, strategy):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    model = ShardedNet(out_dir=tmp_path)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, devices=1, max_steps=STEPS,
+                                                             deterministic=False))
+    try:
+        trainer.fit(model)
+    finally:
+        if torch.distributed.is_initialized():  # one rank, in this process: leave no group behind
+            torch.distributed.destroy_process_group()
+    return trainer
+
+
+@pytest.mark.slow
+def test_remat_fsdp_on_one_device_plans_and_trains_as_plain(tmp_path):
+    _fit_one_device(tmp_path / "plain", OneDeviceFSDP(data_parallel_size=1, tensor_parallel_size=1))
+    strategy = RematFSDPStrategy(memory_budget="75%", cache_dir=tmp_path / "cache", profile_steps=1)
+    trainer = _fit_one_device(tmp_path / "remat", strategy)
+    assert trainer.strategy.world_size == 1 and trainer.strategy.planner.ranks is None
+    plans = json.loads((tmp_path / "remat" / "plans0.json").read_text())
+    assert any('"recompute"' in p for p in plans)
+    for name, value in saved(tmp_path / "plain", 0)["state"].items():
+        assert torch.equal(value, saved(tmp_path / "remat", 0)["state"][name]), name
