@@ -168,21 +168,26 @@ def _rank_main(rank: int, args: argparse.Namespace, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         rows: dict[str, dict[str, Any]] = {}
+        if args.resume and Path(out_path).exists():  # the figures a run cut short kept
+            rows = json.loads(Path(out_path).read_text())
 
         def keep() -> None:  # after every figure, so a run cut short keeps what it measured
             if rank == 0:
                 Path(out_path).write_text(json.dumps(rows))
 
-        plain = _measure("plain", args.batch, args, None, args.steps)
-        rows["plain"] = plain
+        if "plain" not in rows:
+            rows["plain"] = _measure("plain", args.batch, args, None, args.steps)
+        plain = rows["plain"]
         for method in METHODS[1:]:
-            budget = method.partition(":")[2] if method.startswith("remat:") else None
-            rows[method] = _measure(method, args.batch, args, budget, args.steps)
-            keep()
+            if method not in rows:
+                budget = method.partition(":")[2] if method.startswith("remat:") else None
+                rows[method] = _measure(method, args.batch, args, budget, args.steps)
+                keep()
         if not args.no_largest:
             for method in METHODS:
-                rows[method]["largest_batch"] = _largest_batch(method, args, plain["peak_bytes"])
-                keep()
+                if rows[method].get("largest_batch") is None:
+                    rows[method]["largest_batch"] = _largest_batch(method, args, plain["peak_bytes"])
+                    keep()
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -240,10 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--no-largest", action="store_true")
     p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--resume", action="store_true", help="keep the figures a run cut short measured")
     args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     tmp = RESULTS / f".{args.tag}.rows.json"
     started = time.time()
+    if not args.resume:
+        tmp.unlink(missing_ok=True)
     mp.spawn(_rank_main, args=(args, str(tmp)), nprocs=2)
     rows = json.loads(tmp.read_text())
     tmp.unlink()
