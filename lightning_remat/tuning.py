@@ -19,6 +19,10 @@ Lightning trial). This module holds what does not depend on Lightning:
 
 Objectives (Optuna multi-objective, both maximised): the batch size and the measured
 samples per second, so ``study.best_trials`` is the Pareto front of feasible trials.
+
+Length: the sampler, the study's driver (on one process or across ranks) and the records
+they read back share the study's layout (one parameter, the ``result`` and ``feasible``
+attributes, the constraint), so they stay in one module.
 """
 
 from __future__ import annotations
