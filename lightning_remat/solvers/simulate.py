@@ -77,6 +77,16 @@ GRAD_PASSTHROUGH_OPS = frozenset({
 })
 """Op names whose backward passes the incoming gradient on without a new buffer."""
 
+RANDOM_OPS = frozenset({
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "RReLU", "rrelu",
+})
+"""Op names that draw random numbers. A recomputed stage's boundary value made by one is
+recomputed, not kept (the executor replays the stage's random draws in order,
+docs/design.md section 5)."""
+
 INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
 """Composite ops whose backward runs as several autograd nodes with an internal gradient
 between them as large as what they save besides their inputs: ``cross_entropy`` is
@@ -84,6 +94,77 @@ between them as large as what they save besides their inputs: ``cross_entropy`` 
 (the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
 ``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)
 this internal gradient is the op's backward workspace."""
+
+
+def _inplace_operand(graph: Graph, v: str) -> str | None:
+    """The vertex whose storage the in-place op ``v`` modifies (None: not an in-place op,
+    or it modifies an input): its latest predecessor in the storage ``meta.aliases`` names."""
+    aliases = graph.meta.aliases or {}
+    root = aliases.get(v)
+    if root is None or graph[v].op in VIEW_OPS:
+        return None
+    same = [u for u in graph.predecessors(v) if u == root or aliases.get(u) == root]
+    return max(same, key=graph.position) if same else None
+
+
+def rewritten_inplace(graph: Graph, plan: Plan) -> set[str]:
+    """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
+    that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
+    vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
+    and either is recomputed, when another recomputed stage reads ``t``, or when ``v`` is
+    recomputed and its result (or ``t``, in its own stage) crosses the stage boundary."""
+    stage_of = plan.stage_of()
+    recomputed = [st.action == "recompute" for st in plan.stages]
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+
+    def crosses(x: str) -> bool:
+        return x in outputs or any(stage_of[w] != stage_of[x] for w in graph.successors(x))
+
+    rewritten: set[str] = set()
+    for v in graph.ids:
+        t = _inplace_operand(graph, v)
+        if t is None:
+            continue
+        s, st = stage_of[v], stage_of[t]
+        if ((st != s and (recomputed[s] or recomputed[st]))
+                or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in graph.successors(t))
+                or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
+            rewritten.add(v)
+    return rewritten
+
+
+def kept_boundary(graph: Graph, plan: Plan) -> list[set[str]]:
+    """Per stage, the vertices whose values a recomputed stage keeps from its forward and
+    does not run again (empty for other stages): its boundary ``B(Li)`` and the model
+    outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
+    rewrite (docs/design.md section 5)."""
+    stage_of = plan.stage_of()
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+    rewritten = rewritten_inplace(graph, plan)
+    kept: list[set[str]] = []
+    for k, stage in enumerate(plan.stages):
+        if stage.action != "recompute":
+            kept.append(set())
+            continue
+        kept.append({
+            v for v in stage.nodes
+            if (v in outputs or any(stage_of[w] != k for w in graph.successors(v)))
+            and graph[v].op not in RANDOM_OPS
+            and (v in rewritten or _inplace_operand(graph, v) is None)
+        })
+    return kept
+
+
+def recomputed_vertices(graph: Graph, plan: Plan) -> list[list[str]]:
+    """Per stage, the vertices the executor runs again in the backward, in forward order:
+    for a recomputed stage ``Vi`` less its kept boundary (Kusumoto et al.'s
+    ``Vi \\ B(Li)``), nothing for other stages."""
+    kept = kept_boundary(graph, plan)
+    return [
+        [v for v in sorted(stage.nodes, key=graph.position) if v not in kept[k]]
+        if stage.action == "recompute" else []
+        for k, stage in enumerate(plan.stages)
+    ]
 
 
 @dataclass
@@ -172,9 +253,13 @@ class _StepSimulation:
         if plan is None:
             self.stages: list[list[str]] = [ids]
             self.actions = ["keep"]
+            self.kept: list[set[str]] = [set()]
+            self.own_storage: set[str] = set()
         else:
             self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
+            self.kept = kept_boundary(graph, plan)
+            self.own_storage = rewritten_inplace(graph, plan)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
         self.node = {v: graph[v] for v in ids}
         self.succ = {v: graph.successors(v) for v in ids}
@@ -187,6 +272,9 @@ class _StepSimulation:
         # vertices of an offloaded stage whose saved state left the device.
         self.held: dict[str, list[object]] = {v: [] for v in ids}
         self.closure: list[list[object]] = [[] for _ in self.stages]
+        # A recomputed stage's kept boundary values: the storage each holds, until its
+        # recomputation hands them on.
+        self.kept_held: dict[str, object] = {}
         self.offloaded: list[list[str]] = [[] for _ in self.stages]
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
@@ -213,6 +301,7 @@ class _StepSimulation:
         # The profiler names aliases itself (views and in-place results); op names are the
         # fallback for graphs that lack them.
         guess_views = meta.aliases is None and meta.saved_refs is not None
+        self.aliases = meta.aliases or {}
         self.base = self._storage_bases(ids, meta.aliases or {}, guess_views)
         self.requires = self._requires_grad(ids, meta.param_bytes is not None)
         self.saved_refs = {v: self._refs_of(v, meta.saved_refs) if self.requires[v] else []
@@ -231,7 +320,7 @@ class _StepSimulation:
         in-place op); only with the profiler's meta, a hand-built graph's vertices own theirs."""
         base: dict[str, str] = {}
         for v in ids:
-            target = aliases.get(v)
+            target = None if v in self.own_storage else aliases.get(v)
             if (target is None and guess_views and self.node[v].op in VIEW_OPS
                     and len(self.pred[v]) == 1):
                 target = self.pred[v][0]
@@ -254,7 +343,14 @@ class _StepSimulation:
         if saved_refs is None:
             return []
         seen: dict[str, None] = {}
+        aliases = self.aliases
         for r in saved_refs.get(v, ()):
+            # The profile names a storage by its first owner; an in-place op the executor
+            # rewrote owns a storage of its own, which v saves when it reads that op.
+            for reader_input in (v, *self.pred[v]):
+                if reader_input in self.own_storage and aliases.get(reader_input) == r:
+                    r = reader_input
+                    break
             if r in self.base:
                 seen.setdefault(self.base[r])
         return list(seen)
@@ -321,8 +417,15 @@ class _StepSimulation:
         transient = self.node[v].ws_fwd
         if self.actions[k] == "recompute":
             # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
-            # only while the op runs, and it holds no forward values.
-            transient += self.extra[v]
+            # only while the op runs, and it holds no forward values. A kept boundary op's
+            # outputs (its value and its extra outputs, e.g. BatchNorm's statistics) are
+            # held until the recomputation.
+            if v in self.kept[k]:
+                self._save_extra(v)
+                self.kept_held[v] = self._val(v)
+                mem.hold(self._val(v))
+            else:
+                transient += self.extra[v]
             for u in self.pred[v]:
                 key = self._val(u)
                 if self.stage_of[u] != k and key not in in_closure:
@@ -355,14 +458,15 @@ class _StepSimulation:
     def _recompute_stage(self, k: int) -> None:
         """Non-reentrant checkpoint re-runs the stage's forward when its backward starts;
         values it does not save die as soon as the recomputation no longer reads them."""
-        stage, base, stage_of = self.stages[k], self.base, self.stage_of
+        stage, base, stage_of, kept = self.stages[k], self.base, self.stage_of, self.kept[k]
         re_refs = {v: sum(1 for w in self.succ[v] if stage_of[w] == k and base[w] != base[v])
                    for v in stage}
         for v in stage:
-            if base[v] != v and stage_of[base[v]] == k:
+            if base[v] != v and stage_of[base[v]] == k and v not in kept:
                 re_refs[base[v]] += re_refs[v] + 1
         rkey: dict[str, object] = {
-            v: (("rval", base[v]) if stage_of[base[v]] == k else self._val(v)) for v in stage
+            v: (("rval", base[v]) if stage_of[base[v]] == k and v not in kept else self._val(v))
+            for v in stage
         }
         for v in stage:
             self._recompute_op(k, v, rkey, re_refs)
@@ -370,6 +474,9 @@ class _StepSimulation:
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int]) -> None:
         mem, base, stage_of = self.mem, self.base, self.stage_of
+        if v in self.kept[k]:
+            self._hand_on_kept(k, v, rkey, re_refs)
+            return
         if base[v] == v:
             mem.alloc(rkey[v], self.size[v], re_refs[v])
         self._save_for_backward(
@@ -382,6 +489,29 @@ class _StepSimulation:
             mem.release(rkey[v])
         mem.settle(rkey[v])
         self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
+
+    def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
+                      re_refs: dict[str, int]) -> None:
+        """A kept boundary op does not run again: its kept outputs become the recomputed
+        stage's (held by its readers in the stage and by what its own backward saves), and
+        the checkpoint's own reference goes."""
+        mem = self.mem
+        key = self.kept_held.pop(v)
+        for _ in range(re_refs[v]):
+            mem.hold(key)
+        extra = self.held[v]  # its extra outputs, kept since the forward
+        self.held[v] = []
+        for held in extra:
+            self.held[v].append(held)
+        for r in self.saved_refs[v]:
+            ref = rkey[r] if self.stage_of[r] == k else self._val(r)
+            mem.hold(ref)
+            self.held[v].append(ref)
+        for u in self.pred[v]:
+            if self.stage_of[self.base[u]] == k and self.base[u] != self.base[v]:
+                mem.release(rkey[u])
+        mem.release(key)
+        self.timeline.events.append(Event("recompute", v, mem.live, mem.live, k))
 
     def _restore_stage(self, k: int) -> None:
         """An offloaded stage's saved state comes back to the device as fresh copies (each
@@ -500,23 +630,27 @@ def make_plan(
         crossing = set(boundary(graph, stage_list))
         kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
         stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
-    if extra_seconds is None:
-        extra_seconds = sum(
-            graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"
-        )
     plan = Plan(
         stages=stage_list,
         stored=list(stored),
         predicted_peak_bytes=0,
-        predicted_extra_seconds=float(extra_seconds),
+        predicted_extra_seconds=float(extra_seconds or 0.0),
         solver=solver,
         feasible=True,
         notes=list(notes or []),
     )
     plan.validate(graph)
+    if extra_seconds is None:
+        plan.predicted_extra_seconds = recomputed_seconds(graph, plan)
     plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
     plan.feasible = budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes
     return plan
+
+
+def recomputed_seconds(graph: Graph, plan: Plan) -> float:
+    """The forward time of what the executor recomputes (:func:`recomputed_vertices`):
+    Kusumoto et al.'s eq. 1 for the plan's stages."""
+    return float(sum(graph.total("t_fwd", vs) for vs in recomputed_vertices(graph, plan)))
 
 
 def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
