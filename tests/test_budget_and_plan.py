@@ -37,8 +37,11 @@ def test_plan_json_has_exactly_the_keys():
     plan = make_plan(g, [(["v0", "v1"], "recompute"), (["v2", "v3"], "keep")], "test")
     data = plan.to_dict()
     assert set(data) == {"stages", "stored", "predicted_peak_bytes", "predicted_extra_seconds",
-                         "solver", "feasible"}
+                         "solver", "feasible", "margin_bytes"}
     assert Plan.from_json(plan.to_json()) == plan
+    # A plan written before the margin existed still reads, with no margin.
+    del data["margin_bytes"]
+    assert Plan.from_dict(data).margin_bytes == 0
     assert plan.stored == ["v1", "v2", "v3"]
     assert plan.predicted_extra_seconds == 1.0  # v0 runs again; v1, the boundary, is kept
 

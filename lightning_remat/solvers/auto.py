@@ -46,7 +46,7 @@ def _kusumoto_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fits(plan: Plan, budget: int) -> bool:
-    return plan.predicted_peak_bytes <= budget
+    return plan.guaranteed_peak_bytes <= budget
 
 
 def _why(plan: Plan, budget: int) -> str:

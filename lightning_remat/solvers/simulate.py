@@ -643,8 +643,36 @@ def make_plan(
     if extra_seconds is None:
         plan.predicted_extra_seconds = recomputed_seconds(graph, plan)
     plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
-    plan.feasible = budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes
+    plan.margin_bytes = model_margin(graph)
+    plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
     return plan
+
+
+SMALL_TENSOR_BYTES = 64
+"""Per vertex, on the CPU: the small tensors a step makes that no vertex's cost holds (a
+scalar loss, a BatchNorm's ``num_batches_tracked`` update, statistics rounded to storage
+sizes). The CPU meter counts every storage (docs/design.md section 6); measured on the
+tests' models the simulator is within a few hundred bytes of it."""
+
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
+
+
+def model_margin(graph: Graph) -> int:
+    """The known error of the model of a step, which a budget must cover beyond the
+    predicted peak (docs/design.md section 4.7): on CUDA the allocator's rounding, up to one
+    block for each storage that can be live at once (each vertex's value, its saved state
+    and its gradient, and each parameter gradient); on other devices
+    ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
+    is its own exact model: no margin."""
+    if graph.meta.device is None:
+        return 0
+    device = str(graph.meta.device)
+    n = len(graph)
+    if device.startswith("cuda"):
+        params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
+        return CUDA_BLOCK_BYTES * (3 * n + params)
+    return SMALL_TENSOR_BYTES * n
 
 
 def recomputed_seconds(graph: Graph, plan: Plan) -> float:
