@@ -62,7 +62,13 @@ import numpy as np
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.simulate import (
+    RANDOM_OPS,
+    make_plan,
+    model_margin,
+    stage_costs,
+    vertex_costs,
+)
 
 __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",
@@ -88,6 +94,12 @@ class _GraphBits:
     src: np.ndarray  # edge tails (vertex indices)
     dst: np.ndarray  # edge heads
     integer_times: bool
+    graph: Graph
+    size: np.ndarray  # int64 bytes each output allocates (the simulator's: 0 for resident views)
+    extra: np.ndarray  # int64 bytes each op saves besides forward values
+    keepable_time: np.ndarray  # float64 t_fwd of vertices a recomputed stage can keep, else 0
+    output: np.ndarray  # bool: the vertex leaves the forward
+    gradients: np.ndarray  # int64 gradient and transient bytes at each op's backward peak
 
     @property
     def n(self) -> int:
@@ -108,6 +120,10 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         src.append(index[u])
         dst.append(index[v])
     times = [float(node.t_fwd) for node in graph.nodes]
+    costs = vertex_costs(graph)
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
+    size = np.array([costs.size[v] for v in ids], dtype=np.int64)
+    extra = np.array([costs.extra[v] for v in ids], dtype=np.int64)
     return _GraphBits(
         ids=ids,
         mem=np.array([node.mem for node in graph.nodes], dtype=np.int64),
@@ -116,6 +132,12 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         src=np.array(src, dtype=np.int64),
         dst=np.array(dst, dtype=np.int64),
         integer_times=all(t.is_integer() for t in times),
+        graph=graph,
+        size=size,
+        extra=extra,
+        keepable_time=np.array([0.0 if n.op in RANDOM_OPS else float(n.t_fwd) for n in graph.nodes]),
+        output=np.array([v in outputs for v in ids], dtype=bool),
+        gradients=np.array([costs.gradients[v] for v in ids], dtype=np.int64),
     )
 
 
@@ -171,6 +193,9 @@ class LowerSetFamily:
 
     bits: _GraphBits
     sets: list[int]
+    simulated: bool = False
+    """Stage costs from the simulator itself, one simulation per pair of lower sets (the
+    exact DP on small graphs); else the vectorised upper bound (module docstring)."""
     member: np.ndarray = field(init=False)  # K x n bool
     words: np.ndarray = field(init=False)  # K x W uint64, packed membership
     mem_set: np.ndarray = field(init=False)
@@ -209,6 +234,13 @@ class LowerSetFamily:
         self.time_boundary = boundary.astype(np.float64) @ t_fwd
         self.fixed = out_outside.astype(np.int64) @ mem + needed.astype(np.int64) @ mem
         self.boundary_idx = [np.flatnonzero(row) for row in boundary]
+        # What the executor keeps: B(L) and the model outputs in L (docs/design.md section 5).
+        kept = boundary | (member & bits.output)
+        self.kept_idx = [np.flatnonzero(row) for row in kept]
+        self.size_set = member.astype(np.int64) @ bits.size
+        self.extra_set = member.astype(np.int64) @ bits.extra
+        self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
+        self.time_kept = kept.astype(np.float64) @ bits.keepable_time
 
     @property
     def size(self) -> int:
@@ -216,33 +248,67 @@ class LowerSetFamily:
 
     def transitions(self, j: int) -> tuple[np.ndarray, ...]:
         """For target set j: its proper sub-lower-sets in the family (indices), and per
-        source L: the stage memory above U(i-1) [eq. 2], the cache it adds
-        ``mem(B(L') \\ L)`` and the extra time ``time(V' \\ B(L'))`` [eq. 1] (0 for V)."""
+        source L: the stage's peak above the cache the earlier stages hold, the cache it
+        adds (its kept boundary values with their extra saved outputs), and its extra time,
+        the forward time of what it recomputes (eq. 1: ``time(Vi \\ B(Li))``, 0 for the last
+        stage). See the module docstring for the stage memory."""
         hit = self._cache.get(j)
         if hit is not None:
             return hit
         words = self.words
         sources = np.flatnonzero(np.all((words[:j] & ~words[j]) == 0, axis=1))
-        b_idx = self.boundary_idx[j]
-        if b_idx.size:
-            inside = self.member[np.ix_(sources, b_idx)]
-            overlap_mem = inside.astype(np.int64) @ self.bits.mem[b_idx]
-            overlap_time = inside.astype(np.float64) @ self.bits.t_fwd[b_idx]
+        bits = self.bits
+        kept_idx = self.kept_idx[j]
+        if kept_idx.size:
+            inside = self.member[np.ix_(sources, kept_idx)]
+            kept_before = inside.astype(np.int64) @ (bits.size + bits.extra)[kept_idx]
+            time_before = inside.astype(np.float64) @ bits.keepable_time[kept_idx]
         else:
-            overlap_mem = np.zeros(sources.size, dtype=np.int64)
-            overlap_time = np.zeros(sources.size, dtype=np.float64)
-        stage_mem = 2 * (self.mem_set[j] - self.mem_set[sources]) + self.fixed[j]
-        cache_add = self.mem_boundary[j] - overlap_mem
-        if j == self.size - 1:
+            kept_before = np.zeros(sources.size, dtype=np.int64)
+            time_before = np.zeros(sources.size, dtype=np.float64)
+        last = j == self.size - 1
+        if self.simulated:
+            stage_mem, cache_add = self._simulated_costs(sources, j)
+        else:
+            # Every value of the stage and every extra block its ops save, plus the most
+            # gradient (and transient) bytes any of its ops meets in the backward, which
+            # are the same under every plan (module docstring).
+            inside = self.member[j] & ~self.member[sources]
+            stage_mem = (self.size_set[j] - self.size_set[sources]
+                         + (self.extra_set[j] - self.extra_set[sources])
+                         + np.where(inside, bits.gradients, 0).max(axis=1, initial=0))
+            cache_add = self.held_kept[j] - kept_before
+        if last:
             extra_time = np.zeros(sources.size, dtype=np.float64)  # the last stage: no recompute
         else:
             stage_time = self.time_set[j] - self.time_set[sources]
-            extra_time = np.maximum(stage_time - (self.time_boundary[j] - overlap_time), 0.0)
-        result = (sources, stage_mem, cache_add, extra_time)
+            extra_time = np.maximum(stage_time - (self.time_kept[j] - time_before), 0.0)
+        result = (sources, stage_mem.astype(np.int64), cache_add.astype(np.int64), extra_time)
         if self._cached_entries + sources.size <= _TRANSITION_CACHE_ENTRIES:
             self._cache[j] = result
             self._cached_entries += sources.size
         return result
+
+    def _simulated_costs(self, sources: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """The simulator's own stage costs (``simulate.stage_costs``) for each source L and
+        target L': the plan [L recomputed, L' less L, the rest kept] is simulated and the
+        middle stage's cost read off; it does not depend on how L itself is staged."""
+        graph, ids = self.bits.graph, self.bits.ids
+        last = j == self.size - 1
+        after = [ids[i] for i in np.flatnonzero(~self.member[j])]
+        stage_mem = np.zeros(sources.size, dtype=np.int64)
+        cache_add = np.zeros(sources.size, dtype=np.int64)
+        for position, source in enumerate(sources):
+            before = [ids[i] for i in np.flatnonzero(self.member[source])]
+            middle = [ids[i] for i in np.flatnonzero(self.member[j] & ~self.member[source])]
+            stages = [Stage(before, "recompute")] if before else []
+            stages.append(Stage(middle, "keep" if last else "recompute"))
+            if after:
+                stages.append(Stage(after, "keep"))
+            cost = stage_costs(graph, Plan(stages, [], 0, 0.0, "", True))[1 if before else 0]
+            stage_mem[position] = cost.peak_above_cache
+            cache_add[position] = cost.cache_bytes
+        return stage_mem, cache_add
 
     # ---- DP ---------------------------------------------------------------------------------
     def feasible(self, budget: int) -> bool:
@@ -295,8 +361,8 @@ class LowerSetFamily:
 
     def min_budget_by_bisection(self) -> int:
         """Binary search on M over :meth:`feasible` (the paper's method). The one-stage
-        strategy needs ``2 mem(V)``, so that is always enough."""
-        hi = int(self.mem_set[-1]) * 2
+        strategy's stage memory is always enough."""
+        hi = int(self.transitions(self.size - 1)[1][0])
         if self.feasible(0):
             return 0
         lo = 0
@@ -477,18 +543,14 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
     costs (auto, min-budget searches and benchmarks call the DP several times)."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (
-        exact,
-        tuple((node.id, node.mem, node.t_fwd) for node in graph.nodes),
-        tuple(graph.edges),
-    )
+    key = (exact, graph.to_json())
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = _graph_bits(graph)
     sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
-    family = LowerSetFamily(bits, sets)
+    family = LowerSetFamily(bits, sets, simulated=exact)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
@@ -505,18 +567,17 @@ def _plan_from_sequence(
     for position, (before, after) in enumerate(zip(sequence, sequence[1:]), start=1):
         new = np.flatnonzero(family.member[after] & ~family.member[before])
         nodes = [ids[i] for i in new]
-        # Every stage but the last recomputes Vi \ B(Li); one with nothing to recompute (all
-        # its vertices are cached boundary) is simply kept.
-        recomputed = bool(np.setdiff1d(new, family.boundary_idx[after]).size)
-        action = "recompute" if position < last and recomputed else "keep"
-        stages.append(Stage(nodes, action))
+        # Every stage but the last recomputes Vi \ B(Li), keeping B(Li) (the executor runs
+        # a stage whose vertices are all kept without running anything again).
+        stages.append(Stage(nodes, "recompute" if position < last else "keep"))
     dp_peak, extra = family.evaluate(sequence)
     plan = make_plan(graph, stages, solver, budget, extra_seconds=extra, notes=notes)
+    model = "the simulator's stage memory" if family.simulated else "its upper bound"
     plan.notes.append(
-        f"DP peak (eq. 2) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
+        f"DP peak ({model}) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
         f"{len(stages)} stages over {family.size} lower sets"
     )
-    plan.feasible = dp_feasible
+    plan.feasible = dp_feasible and (budget is None or plan.guaranteed_peak_bytes <= budget)
     return plan
 
 
@@ -536,11 +597,10 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         # No limit: least extra time is no recomputation, one stage.
         notes.append("no budget: one stage, nothing recomputed")
         return _plan_from_sequence(graph, family, [0, family.size - 1], name, None, notes, True)
-    if objective == "tc" and budget is not None and budget >= 2 * int(family.mem_set[-1]):
-        # The one-stage strategy's peak (eq. 2) is 2 mem(V): it fits, and nothing is faster.
-        return _plan_from_sequence(graph, family, [0, family.size - 1], name, budget, notes, True)
-    target = budget
-    if budget is None:
+    margin = model_margin(graph)
+    # The DP meets the budget less the plan's margin (docs/design.md section 4.7).
+    target = None if budget is None else max(budget - margin, 0)
+    if target is None:
         target = family.min_budget()
         notes.append(
             f"no budget: memory-centric strategy at the smallest budget with a solution, {target} bytes"
@@ -550,8 +610,8 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         return _plan_from_sequence(graph, family, found, name, budget, notes, True)
     smallest = family.min_budget()
     notes.append(
-        f"no strategy has peak <= {budget} bytes; the smallest budget with one is {smallest} "
-        "bytes: this is the strategy for that budget"
+        f"no strategy has peak <= {budget} bytes; the smallest budget with one is "
+        f"{smallest + margin} bytes: this is the strategy for that budget"
     )
     found = _run(family, smallest, objective, time_steps)
     assert found is not None  # g({}) is met by construction
@@ -629,7 +689,7 @@ def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOW
                 **_: Any) -> int:
     if len(graph) == 0:
         return 0
-    return _family(graph, exact, max_lower_sets).min_budget()
+    return _family(graph, exact, max_lower_sets).min_budget() + model_margin(graph)
 
 
 def min_budget_solve_approx_tc(graph: Graph, **options: Any) -> int:

@@ -195,10 +195,11 @@ class Timeline:
 class _Storages:
     """Reference-counted storages and the running total of live bytes."""
 
-    __slots__ = ("live", "refs", "size")
+    __slots__ = ("grad_live", "live", "refs", "size")
 
     def __init__(self) -> None:
         self.live = 0
+        self.grad_live = 0  # of which gradients (of values and of parameters)
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
 
@@ -207,6 +208,15 @@ class _Storages:
         self.size[key] = nbytes
         self.refs[key] = refs
         self.live += nbytes
+        if _is_gradient(key):
+            self.grad_live += nbytes
+
+    def _free(self, key: object) -> None:
+        del self.refs[key]
+        nbytes = self.size.pop(key)
+        self.live -= nbytes
+        if _is_gradient(key):
+            self.grad_live -= nbytes
 
     def is_live(self, key: object) -> bool:
         return key in self.refs
@@ -219,14 +229,74 @@ class _Storages:
         if count > 0:
             self.refs[key] = count
         else:
-            del self.refs[key]
-            self.live -= self.size.pop(key)
+            self._free(key)
 
     def settle(self, key: object) -> None:
         """Free a storage allocated with no owner (a value nothing reads)."""
         if self.refs.get(key) == 0:
-            del self.refs[key]
-            self.live -= self.size.pop(key)
+            self._free(key)
+
+
+def _is_gradient(key: object) -> bool:
+    return isinstance(key, tuple) and key[0] in ("grad", "param_grad")
+
+
+@dataclass
+class VertexCosts:
+    """What the simulator charges each vertex (for solvers that bound its figures)."""
+
+    size: dict[str, int]
+    """Bytes the output allocates (0 for a view of an input or parameter)."""
+    gradients: dict[str, int]
+    """Bytes of gradients (of values and of parameters) and transients live at the peak of
+    the vertex's backward, or its forward workspace if larger. Every plan back-propagates in
+    the same order, so this does not depend on the plan."""
+    extra: dict[str, int]
+    """Bytes the op saves besides forward values."""
+    param_bytes: dict[str, int]
+    """Bytes of the gradients of the op's parameters."""
+
+
+def vertex_costs(graph: Graph) -> VertexCosts:
+    """The per-vertex figures the simulator works with, from the graph's costs and meta."""
+    sim = _StepSimulation(graph, None)
+    if graph.ids:
+        sim.run()
+    gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
+    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes))
+
+
+@dataclass
+class StageCost:
+    """One stage's part of a step's peak (docs/design.md section 4.7): the step's peak is
+    ``max over stages of (cache before the stage + peak_above_cache)``, the cache before
+    stage i being the sum of ``cache_bytes`` of the stages before it (Kusumoto et al.'s
+    ``U(i-1)``)."""
+
+    peak_above_cache: int
+    """The highest live bytes during the stage's forward, recomputation and backward, less
+    the cache the earlier stages hold."""
+    cache_bytes: int
+    """What the stage holds from its forward to its recomputation: its kept boundary values
+    and their extra saved outputs."""
+
+
+def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
+    """The step's peak under ``plan`` as a fold over its stages (see :class:`StageCost`).
+    A stage's ``peak_above_cache`` depends only on the stage's vertices and what came before
+    it as a set, not on how the earlier vertices were staged, so Kusumoto et al.'s DP over
+    lower sets can use it (``solvers.kusumoto``)."""
+    sim = _StepSimulation(graph, plan)
+    timeline = sim.run() if graph.ids else Timeline()
+    peaks = [0] * len(sim.stages)
+    for event in timeline.events:
+        peaks[event.stage] = max(peaks[event.stage], event.peak_bytes)
+    costs: list[StageCost] = []
+    cache = 0
+    for k, peak in enumerate(peaks):
+        costs.append(StageCost(peak - cache, sim.kept_bytes[k]))
+        cache += sim.kept_bytes[k]
+    return costs
 
 
 def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
@@ -275,6 +345,11 @@ class _StepSimulation:
         # A recomputed stage's kept boundary values: the storage each holds, until its
         # recomputation hands them on.
         self.kept_held: dict[str, object] = {}
+        self.kept_bytes = [0] * len(self.stages)  # what each stage adds to the cache
+        # Per vertex: gradients (of values and parameters) and transients at its backward's
+        # peak; the same under every plan (the backward runs in one order).
+        self.gradient_peak: dict[str, int] = {}
+        self._kept_storages: set[object] = set()
         self.offloaded: list[list[str]] = [[] for _ in self.stages]
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
@@ -424,6 +499,10 @@ class _StepSimulation:
                 self._save_extra(v)
                 self.kept_held[v] = self._val(v)
                 mem.hold(self._val(v))
+                self.kept_bytes[k] += self.extra[v]
+                if self._val(v) not in self._kept_storages:
+                    self._kept_storages.add(self._val(v))
+                    self.kept_bytes[k] += mem.size[self._val(v)]
             else:
                 transient += self.extra[v]
             for u in self.pred[v]:
@@ -556,6 +635,7 @@ class _StepSimulation:
                 # The first step's parameter gradients: allocated here, kept.
                 mem.alloc(("param_grad", v), pb, 1)
         peak = mem.live + transient + peak_extra
+        self.gradient_peak[v] = mem.grad_live + peak_extra + transient
         if my_grad is not None:
             mem.release(my_grad)
         for key in self.held[v]:
