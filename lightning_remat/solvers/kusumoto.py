@@ -82,6 +82,9 @@ DEFAULT_TIME_STEPS = 500
 _INF = np.iinfo(np.int64).max
 # Cache per-target transition arrays while their total size stays under this many entries.
 _TRANSITION_CACHE_ENTRIES = 5_000_000
+# The approximate DP simulates every pair of its lower sets while pairs x vertices stays
+# under this (about a second); above it, it uses the vectorised upper bound.
+_SIMULATED_WORK = 200_000
 
 
 # ---- graph as bitsets -------------------------------------------------------------------------
@@ -550,7 +553,10 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
         return family
     bits = _graph_bits(graph)
     sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
-    family = LowerSetFamily(bits, sets, simulated=exact)
+    # The approximate family too takes the simulator's own stage costs where simulating
+    # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
+    pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
+    family = LowerSetFamily(bits, sets, simulated=exact or pairs * max(bits.n, 1) <= _SIMULATED_WORK)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)

@@ -299,12 +299,14 @@ def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
     return costs
 
 
-def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
+def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
-    keep-everything plan when None): a forward, the loss, ``loss.backward()``."""
+    keep-everything plan when None): a forward, the loss, ``loss.backward()``.
+    ``whole_stages``: a recomputed stage runs again whole, its boundary included (the
+    tracing fallback's executor, ``runtime.hooked``), instead of keeping its boundary."""
     if not graph.ids:
         return Timeline()
-    return _StepSimulation(graph, plan).run()
+    return _StepSimulation(graph, plan, whole_stages).run()
 
 
 class _StepSimulation:
@@ -318,7 +320,7 @@ class _StepSimulation:
     besides values, ``("grad", v | n)`` a gradient, ``("param_grad", v)`` v's parameters'
     gradients."""
 
-    def __init__(self, graph: Graph, plan: Plan | None) -> None:
+    def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False) -> None:
         ids = graph.ids
         if plan is None:
             self.stages: list[list[str]] = [ids]
@@ -328,8 +330,8 @@ class _StepSimulation:
         else:
             self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
-            self.kept = kept_boundary(graph, plan)
-            self.own_storage = rewritten_inplace(graph, plan)
+            self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan)
+            self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
         self.node = {v: graph[v] for v in ids}
         self.succ = {v: graph.successors(v) for v in ids}
@@ -698,11 +700,15 @@ def make_plan(
     stored: list[str] | None = None,
     extra_seconds: float | None = None,
     notes: list[str] | None = None,
+    *,
+    whole_stages: bool = False,
 ) -> Plan:
     """A Plan with its derived fields filled in: stages ordered topologically inside,
     ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
-    predicted peak, the recomputation time (default: the forward time of every recomputed
-    stage) and ``feasible`` (predicted peak within the budget; True without a budget)."""
+    predicted peak and margin, the recomputation time (default: the forward time of what
+    the executor runs again, :func:`recomputed_vertices`) and ``feasible`` (predicted peak
+    plus margin within the budget; True without a budget). ``whole_stages``: as
+    :func:`simulate`'s."""
     stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
     for s in stage_list:
         s.nodes = sorted(s.nodes, key=graph.position)
@@ -721,8 +727,10 @@ def make_plan(
     )
     plan.validate(graph)
     if extra_seconds is None:
-        plan.predicted_extra_seconds = recomputed_seconds(graph, plan)
-    plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
+        plan.predicted_extra_seconds = (
+            float(sum(graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"))
+            if whole_stages else recomputed_seconds(graph, plan))
+    plan.predicted_peak_bytes = simulate(graph, plan, whole_stages=whole_stages).peak_bytes
     plan.margin_bytes = model_margin(graph)
     plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
     return plan
