@@ -84,7 +84,7 @@ _INF = np.iinfo(np.int64).max
 _TRANSITION_CACHE_ENTRIES = 5_000_000
 # The approximate DP simulates every pair of its lower sets while pairs x vertices stays
 # under this (about a second); above it, it uses the vectorised upper bound.
-_SIMULATED_WORK = 200_000
+_SIMULATED_WORK = 100_000
 
 
 # ---- graph as bitsets -------------------------------------------------------------------------

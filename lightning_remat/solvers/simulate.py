@@ -26,9 +26,10 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Aliased outputs.** Views and in-place ops (``meta.aliases``: ``{id: base_id}``, or
   a view op by name) share the storage of their base: no allocation, and the storage lives
   as long as any of the aliases needs it.
-- **Parameter gradients** (``meta.param_bytes``): on the first step they are allocated
-  by the backward of the op that owns the parameters and stay (they are part of the step's
-  peak, unlike the parameters themselves).
+- **Parameter gradients** (``meta.param_bytes``): allocated by the backward of the op that
+  owns the parameters and kept (part of the step's peak, unlike the parameters), unless
+  they exist before the step (``meta.grads_resident``: a loop that keeps them), when the
+  backward adds into them in place and they are resident like the parameters.
 - **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only; a
   composite op's internal gradient (``cross_entropy``: the log-probabilities' gradient) is
   its backward workspace where none was measured (``INTERNAL_GRADIENT_OPS``).
@@ -373,6 +374,8 @@ class _StepSimulation:
         """What the step needs to know of each vertex, from its costs and the graph's meta."""
         ids, meta = graph.ids, graph.meta
         self.param_bytes = {k: int(b) for k, b in (meta.param_bytes or {}).items()}
+        # Gradients kept between steps are resident: the backward adds into them in place.
+        self.grads_resident = bool(meta.grads_resident)
         outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
         self.outputs = [o for o in outputs if o in graph]
         # The profiler names aliases itself (views and in-place results); op names are the
@@ -632,7 +635,7 @@ class _StepSimulation:
         peak_extra = 0
         if my_grad is not None:
             peak_extra = self._pass_gradient(v, my_grad)
-            pb = self.param_bytes.get(v, 0)
+            pb = 0 if self.grads_resident else self.param_bytes.get(v, 0)
             if pb:
                 # The first step's parameter gradients: allocated here, kept.
                 mem.alloc(("param_grad", v), pb, 1)
