@@ -8,6 +8,7 @@ Plan; where the project's own ``auto`` solver is available it is exercised too.
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from typing import Any
 
@@ -422,3 +423,50 @@ def test_gradients_kept_between_steps_are_resident_not_new() -> None:
     fresh.meta.grads_resident = False
     gradients = sum(resident.meta.param_bytes.values())
     assert min_budget(fresh, "auto") >= min_budget(resident, "auto") + gradients // 2
+
+
+def _generated_model(rng: random.Random) -> tuple[nn.Module, torch.Tensor]:
+    """A small random CNN or MLP (depth, widths, in-place ReLUs, BatchNorm and dropout
+    drawn at random)."""
+    if rng.random() < 0.5:
+        layers: list[nn.Module] = []
+        channels = 3
+        for _ in range(rng.randint(2, 5)):
+            out = rng.choice([4, 8, 12])
+            layers.append(nn.Conv2d(channels, out, 3, padding=1))
+            if rng.random() < 0.6:
+                layers.append(nn.BatchNorm2d(out))
+            layers.append(nn.ReLU(inplace=rng.random() < 0.5))
+            channels = out
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 3)]
+        return nn.Sequential(*layers), torch.randn(rng.choice([2, 4]), 3, 16, 16)
+    width = rng.choice([32, 64, 96])
+    layers = []
+    for _ in range(rng.randint(3, 7)):
+        layers += [nn.Linear(width, width), nn.ReLU(inplace=rng.random() < 0.5)]
+        if rng.random() < 0.3:
+            layers.append(nn.Dropout(0.1))
+    layers.append(nn.Linear(width, 4))
+    return nn.Sequential(*layers), torch.randn(rng.choice([16, 64]), width)
+
+
+@pytest.mark.slow
+def test_the_smallest_feasible_budget_is_always_accepted() -> None:
+    """On 20 generated models: a budget below reach is refused with RematInfeasibleError,
+    and retrying with the smallest feasible budget it names succeeds every time (through
+    remat() itself for every tenth model; on the profiled graph for the others)."""
+    rng = random.Random(0)
+    for k in range(20):
+        torch.manual_seed(rng.randrange(1000))
+        model, x = _generated_model(rng)
+        graph = remat(model, x).graph  # no budget on the CPU: the plain plan, profiled
+        with pytest.raises(RematInfeasibleError) as refused:
+            lightning_remat.solve(graph, 1024, "auto")
+        least = refused.value.min_budget_bytes
+        plan = lightning_remat.solve(graph, least, "auto")
+        assert plan.feasible and plan.guaranteed_peak_bytes <= least
+        if k % 10 == 0:
+            with pytest.raises(RematInfeasibleError) as refused:
+                remat(model, x, 1024)
+            remat_model = remat(model, x, refused.value.min_budget_bytes)
+            assert remat_model.plan.feasible
