@@ -9,9 +9,19 @@ module follows that statement exactly (paper equation numbers in brackets):
 - extra time [eq. 1]: ``T = sum over i < k of time(Vi \\ B(Li))`` with ``time = t_fwd`` (the
   last stage is never recomputed);
 - cache after stage i: ``U(i) = U(i-1) + mem(B(Li) \\ L(i-1))``;
-- memory of stage i's backward [eq. 2]: ``U(i-1) + 2 mem(Vi) + mem(out(Li) \\ Li)
-  + mem(in(out(Li)) \\ Li \\ out(Li))``; the peak is the largest of these, and a strategy is
-  feasible for a budget M when its peak is at most M;
+- stage memory: not eq. 2 (which has no liveness and no parameter gradients) but the
+  simulator's, the one model of a step (docs/design.md sections 4.4 and 4.7): the peak is
+  ``max over i of U(i-1) + f(L(i-1), Li)`` with ``f`` the stage's own peak above the cache
+  (``simulate.stage_costs``) and the cache additive, ``U(i) = U(i-1) + kept(L(i-1), Li)``
+  (the stage's kept boundary values and their extra saved outputs). The exact DP, and the
+  approximate one where simulating every pair is cheap, take ``f`` and ``kept`` from the
+  simulator (exact). Otherwise the approximate DP uses an upper bound, vectorised:
+  ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
+  and transient bytes at v's backward peak, the same under every plan; storage shared
+  between vertices (views, in-place ops, gradients passed through ``add``) is counted per
+  vertex, and a random op's boundary value (recomputed, held by its readers) as kept. So a
+  DP-feasible plan fits by construction; a strategy is feasible for a budget M when its
+  peak plus the plan's margin is at most M;
 - DP (section 4.2, Appendix A Algorithm 1): a state is ``(L, t)`` holding the least cache
   ``m`` of any prefix that ends in L with extra time t; from ``(L, t, m)`` go to every lower
   set ``L' > L`` of the family with ``m + stage_memory(L, L') <= M``.
@@ -42,9 +52,8 @@ Implementation choices (why):
 - Further pruning that keeps the optimum: ``g(L)``, the least budget above the held cache
   with which the strategy can still be finished from L (one backward pass), drops states
   with ``m + g(L) > M``; ``g({})`` is also the smallest budget with any strategy.
-- The plan's ``feasible`` is the DP's own verdict (its peak formula, eq. 2, against the
-  budget), not the simulator's, because that is the model the DP optimises; the DP's peak and
-  the simulator's peak both go into ``plan.notes``.
+- The plan's ``feasible`` is the DP's own verdict, which the simulator's figure confirms
+  (by construction); the DP's peak and the simulator's peak both go into ``plan.notes``.
 
 Length: the exact and the approximate DP, time- and memory-centric, share the lower-set
 families, the stage costs, the DP over (L, t) and the plan construction: one module, one
@@ -192,7 +201,7 @@ def _reduce_columns(matrix: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
 @dataclass
 class LowerSetFamily:
     """Lower sets sorted by size (index 0 is {}, the last is V) with what the DP needs of
-    each: ``mem(L)``, ``time(L)``, the boundary ``B(L)`` and the fixed part of eq. 2."""
+    each: ``mem(L)``, ``time(L)``, the boundary ``B(L)``, what a stage ending in L keeps."""
 
     bits: _GraphBits
     sets: list[int]
@@ -328,7 +337,8 @@ class LowerSetFamily:
         return bool(best[-1] != _INF)
 
     def evaluate(self, sequence: list[int]) -> tuple[int, float]:
-        """Peak [eq. 2] and extra time [eq. 1] of a sequence of family indices."""
+        """The DP's peak (its stage memory, with the cache) and extra time [eq. 1] of a
+        sequence of family indices."""
         cache, peak, extra = 0, 0, 0.0
         for before, after in zip(sequence, sequence[1:]):
             sources, stage_mem, cache_add, extra_time = self.transitions(after)
@@ -499,10 +509,11 @@ def _undominated(t: np.ndarray, m: np.ndarray, unit: float, objective: str) -> n
     return representative[occupied[best < best_before]]
 
 
-# ---- evaluating a sequence (the DP's own peak and time) --------------------------------------
+# ---- the paper's own formulas, for reference ---------------------------------------------------
 def evaluate_sequence(graph: Graph, stages: list[list[str]]) -> tuple[int, float]:
-    """Peak [eq. 2] and extra time [eq. 1] of the canonical strategy whose stages (forward
-    order) are given; each prefix union must be a lower set."""
+    """Peak [eq. 2 as printed] and extra time [eq. 1] of the canonical strategy whose stages
+    (forward order) are given; each prefix union must be a lower set. A reference for
+    comparisons: the DP itself uses the simulator's stage memory (module docstring)."""
     done: set[str] = set()
     cache = 0
     peak = 0

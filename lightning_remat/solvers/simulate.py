@@ -35,12 +35,21 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   its backward workspace where none was measured (``INTERNAL_GRADIENT_OPS``).
 
 Plans (see ``solvers/plan.py``): stages run in order in the forward and in reverse in the
-backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint``: in the
-forward its ops save nothing (its internal values die when forward-dead, their extra saved
-bytes exist only during the op), it keeps its inputs (values of earlier stages it reads)
-until its backward has finished, and its outputs read by later stages are ordinary values.
-When its backward starts, its forward runs again (phase ``recompute``: values and saved
-blocks allocated, values nobody saved freed when dead) and then it is back-propagated. An
+backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint`` with a
+selective policy that keeps its boundary (docs/design.md section 5): in the forward its ops
+save nothing (its internal values die when forward-dead, their extra saved bytes exist only
+during the op) except its kept boundary values (:func:`kept_boundary`: the values later
+stages or the output read, less random and unrewritten in-place ops), which stay with their
+ops' extra saved bytes until the recomputation; it keeps its inputs (values of earlier
+stages it reads) until its backward has finished. When its backward starts, the rest of its
+forward runs again (phase ``recompute``, :func:`recomputed_vertices`: values and saved
+blocks allocated, values nobody saved freed when dead), the kept values are handed on to
+the recomputed ops that read them, and then it is back-propagated. In-place ops the
+executor rewrites (:func:`rewritten_inplace`) own their storage. ``whole_stages=True``
+models the tracing fallback instead, which runs a recomputed stage again whole.
+
+The peak is also a fold over stages (:func:`stage_costs`), the form Kusumoto et al.'s DP
+uses (``solvers.kusumoto``). An
 ``offload`` stage runs as ``keep`` during its forward; when its forward ends, what its ops
 saved leaves the device (the device references are dropped), and it comes back as fresh
 copies when its backward starts (freed op by op as the backward consumes it).

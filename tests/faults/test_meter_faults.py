@@ -28,7 +28,8 @@ if sys.argv[1] == "package":
     import lightning_remat
     from torch import nn
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(),
+                          *[m for _ in range(5) for m in (nn.Linear(256, 256), nn.ReLU())],
                           nn.Linear(256, 8))
     lightning_remat.remat(model, torch.randn(2048, 64), memory_budget="80%")
 def allocations():
