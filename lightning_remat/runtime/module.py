@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -212,10 +214,14 @@ class RematModule(nn.Module):
         for program in stages.programs:
             inputs = [env[name] for name in program.input_names]
             if program.action == "recompute" and recompute_now:
-                outputs = torch.utils.checkpoint.checkpoint(
-                    program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
-                    context_fn=self._context_fn(program),
-                )
+                # Selective checkpointing imports sympy on first use, which adds a warning
+                # filter: the filters are restored (the library changes no global state).
+                guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+                with guard:
+                    outputs = torch.utils.checkpoint.checkpoint(
+                        program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
+                        context_fn=self._context_fn(program),
+                    )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
                 if isinstance(hooks, OffloadHooks):
