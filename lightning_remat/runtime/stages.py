@@ -20,6 +20,14 @@ of that one op). Recomputation then starts from the unmodified stage input;
 BatchNorm running statistics: :class:`RestoreNormStatistics` snapshots and restores the
 running statistics of a stage's norm layers around its recomputation, so they are updated
 exactly once per step, as in the plain run (docs/design.md section 5).
+
+Kept boundary values: a recomputed stage's boundary nodes run between markers that
+:func:`boundary_policy`, the stage's selective-checkpoint policy, reads, so their outputs
+are kept from the forward and only the rest of the stage runs again.
+
+Length: placement, the in-place rewrites, code generation and the kept-boundary policy all
+decide together what one stage program does under a plan; split, each would need the
+others' rules.
 """
 
 from __future__ import annotations
