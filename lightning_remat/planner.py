@@ -149,9 +149,24 @@ def shapes_of(key: InputKey) -> list[list[int]]:
 
 
 def plain_peak_bytes(graph: Graph) -> int:
-    """The plain step's peak: measured by the profiler, else simulated."""
+    """The plain step's peak: measured by the profiler, else simulated. The profiler
+    measures steps that allocate the parameters' gradients; where they are resident before
+    the step (``meta.grads_resident``) they are taken off, down to no less than the
+    simulated peak with resident gradients."""
     measured = graph.meta.plain_peak_bytes
-    return int(measured) if measured else int(simulate(graph).peak_bytes)
+    if not measured:
+        return int(simulate(graph).peak_bytes)
+    if graph.meta.grads_resident:
+        gradients = sum(int(b) for b in (graph.meta.param_bytes or {}).values())
+        return max(int(measured) - gradients, int(simulate(graph).peak_bytes))
+    return int(measured)
+
+
+def grads_resident(module: nn.Module) -> bool:
+    """Whether every parameter that trains already has a gradient (the loop keeps them
+    between steps)."""
+    training = [p for p in module.parameters() if p.requires_grad]
+    return bool(training) and all(p.grad is not None for p in training)
 
 
 OFFLOADING_SOLVERS = frozenset({"greedy", "dynprog", "vdnn", "lower-bound"})
@@ -580,6 +595,8 @@ class Planner:
             module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
             safe=settings.safe_profile, traced=traced,
         )
+        # The gradients' state is the run's own: a loop that keeps them plans for that.
+        graph.meta.grads_resident = grads_resident(module)
         # The offloading solvers (and "auto", which ends with them) need beta.
         if graph.meta.bandwidth_bytes_per_s is None:
             graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)

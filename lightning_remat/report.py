@@ -61,6 +61,7 @@ def format_plan(
         ("plain peak", format_bytes(plain) if plain else "not measured"),
         ("budget", format_bytes(budget_bytes) if budget_bytes else "none"),
         ("predicted peak", format_bytes(plan.predicted_peak_bytes)),
+        ("margin", f"{format_bytes(plan.margin_bytes)} (known error of the prediction, within the budget)"),
         ("feasible", "yes" if plan.feasible else "no"),
         ("stages", f"{len(plan.stages)} ({plan.count('recompute')} recomputed, "
                    f"{plan.count('offload')} offloaded, {plan.count('keep')} kept)"),

@@ -7,6 +7,7 @@ state and buffers (BatchNorm running statistics) within 1e-6 on CPU.
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.device import preserved_state
 from lightning_remat.graph.trace import build_fx_graph, default_loss, trace_module
@@ -235,7 +237,9 @@ def test_inplace_ops_right_after_cuts_train_like_plain() -> None:
     assert ids == ["fc1", "bn", "act", "fc2", "mul_", "act2", "fc3"]
     plan = cut_plan(traced.graph, ["act", "mul_", "fc3"], ["recompute", "recompute", "recompute", "keep"])
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
-    assert set(remat_model.current.stages.inplace_rewritten) == {"act", "mul_"}
+    # act2's result leaves its recomputed stage: it is a kept boundary value, so it is
+    # computed out of place (an in-place op cannot hand back a kept tensor).
+    assert set(remat_model.current.stages.inplace_rewritten) == {"act", "mul_", "act2"}
     batches = [((torch.randn(5, 6),), {}) for _ in range(3)]
     train_side_by_side(model, remat_model, plain, batches)
 
@@ -507,3 +511,81 @@ def test_deepcopy_and_whole_module_pickling(tmp_path) -> None:
     batches = [((torch.randn(4, 3, 8, 8),), {}) for _ in range(2)]
     train_side_by_side(model, copied, copy.deepcopy(plain), batches)
     train_side_by_side(model, loaded, plain, batches)
+
+
+# ---- what the backward runs again -------------------------------------------------------------
+class _ForwardOps(TorchDispatchMode):
+    """Counts compute ops (not views, not factories) by name and input shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func._schema.is_mutable and all(r.alias_info is None for r in func._schema.returns):
+            shapes = tuple(tuple(a.shape) for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+            if shapes:
+                self.counts[(func._schema.name.rstrip("_"), shapes)] += 1
+        return out
+
+
+class Widths(nn.Module):
+    """Conv/BatchNorm/ReLU(inplace)/max-pool layers of distinct widths, so each op's name and
+    input shapes say which vertex it belongs to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = [3, 4, 5, 6, 7]
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(3, stride=1, padding=1)]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(7 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.body(x), 1))
+
+
+@pytest.mark.parametrize("cuts", [["body_2", "body_9"], ["body_4", "body_6", "body_13"], ["body_7"]])
+def test_the_backward_runs_again_exactly_the_plans_recompute_set(cuts: list[str]) -> None:
+    """Only Vi \\ B(Li) of each recomputed stage runs again in the backward (Kusumoto et al.
+    2019, eq. 1): the forward ops seen during loss.backward() are exactly those of the
+    vertices ``recomputed_vertices`` names, stage by stage."""
+    from lightning_remat.solvers.simulate import recomputed_vertices
+
+    torch.manual_seed(0)
+    model = Widths()
+    x = torch.randn(2, 3, 6, 6)
+    traced = trace_module(model, (x,))
+    ids = traced.graph.ids
+    plan = cut_plan(traced.graph, cuts, ["recompute"] * len(cuts) + ["keep"])
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
+    recomputed = recomputed_vertices(traced.graph, plan)
+    assert any(recomputed) and all(len(r) < len(s.nodes) for r, s in zip(recomputed, plan.stages) if s.action == "recompute")
+
+    # The forward ops of each vertex, from a plain forward node by node.
+    per_vertex: dict[str, collections.Counter] = {}
+
+    class ByNode(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            with _ForwardOps() as ops:
+                value = super().run_node(n)
+            per_vertex[n.name] = ops.counts
+            return value
+
+    with preserved_state(model), torch.no_grad():
+        ByNode(traced.runner).run(x.clone())
+    expected: collections.Counter = collections.Counter()
+    for stage_vertices in recomputed:
+        for v in stage_vertices:
+            expected.update(per_vertex[v])
+    forward_kinds = {key for counts in per_vertex.values() for key in counts}
+
+    loss = default_loss(remat_model(x))
+    with _ForwardOps() as seen:
+        loss.backward()
+    ran_again = collections.Counter({k: c for k, c in seen.counts.items() if k in forward_kinds})
+    assert ran_again == expected
+    assert set(ids) >= {v for r in recomputed for v in r}

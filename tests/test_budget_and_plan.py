@@ -37,10 +37,13 @@ def test_plan_json_has_exactly_the_keys():
     plan = make_plan(g, [(["v0", "v1"], "recompute"), (["v2", "v3"], "keep")], "test")
     data = plan.to_dict()
     assert set(data) == {"stages", "stored", "predicted_peak_bytes", "predicted_extra_seconds",
-                         "solver", "feasible"}
+                         "solver", "feasible", "margin_bytes"}
     assert Plan.from_json(plan.to_json()) == plan
+    # A plan written before the margin existed still reads, with no margin.
+    del data["margin_bytes"]
+    assert Plan.from_dict(data).margin_bytes == 0
     assert plan.stored == ["v1", "v2", "v3"]
-    assert plan.predicted_extra_seconds == 2.0
+    assert plan.predicted_extra_seconds == 1.0  # v0 runs again; v1, the boundary, is kept
 
 
 def test_plan_validation_catches_bad_stages():
@@ -56,6 +59,6 @@ def test_plan_validation_catches_bad_stages():
 def test_recomputation_lowers_the_predicted_peak():
     g = Graph.chain([100] * 8)
     plain = plain_plan(g)
-    cut = make_plan(g, [(g.ids[:4], "recompute"), (g.ids[4:], "recompute")], "test")
+    cut = make_plan(g, [(g.ids[:3], "recompute"), (g.ids[3:6], "recompute"), (g.ids[6:], "keep")], "test")
     assert cut.predicted_peak_bytes < plain.predicted_peak_bytes
     assert make_plan(g, [(g.ids, "keep")], "t", budget_bytes=plain.predicted_peak_bytes - 1).feasible is False

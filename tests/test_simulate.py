@@ -83,28 +83,31 @@ def test_add_passes_its_gradient_through_without_a_buffer():
 
 
 def test_recompute_plan_lowers_the_peak_to_the_hand_computed_figure():
-    g = Graph.chain([10, 10, 10, 10])  # saved = mem, as extra blocks (no meta)
+    g = Graph.chain([10, 10, 10, 10, 10, 10])  # saved = mem, as extra blocks (no meta)
     plain = simulate(g)
-    assert plain.peak_bytes == 60  # all four saved blocks + output gradient + v2's gradient
-    plan = make_plan(g, [(["v0", "v1"], "recompute"), (["v2", "v3"], "keep")], "test")
+    assert plain.peak_bytes == 80  # all six saved blocks + output gradient + v4's gradient
+    plan = make_plan(g, [(["v0", "v1", "v2"], "recompute"), (["v3", "v4", "v5"], "keep")], "test")
     t = simulate(g, plan)
-    # Forward of the checkpointed stage keeps no saved blocks: live 10 after v0, 10 after
-    # v1 (v0 died). Its recomputation in the backward: v0 (10 + 10 saved) and v1 (10 + 10)
-    # on top of v1's gradient (10): 50, the new peak.
-    assert phases(t, "forward") == [("v0", 10, 20), ("v1", 10, 30), ("v2", 20, 30), ("v3", 30, 40)]
-    assert phases(t, "recompute") == [("v0", 30, 30), ("v1", 30, 50)]
-    assert t.peak_bytes == plan.predicted_peak_bytes == 50 < plain.peak_bytes
+    # Forward of the checkpointed stage: v0 and v1 save nothing and die when read; v2 is its
+    # boundary, kept with its saved block (20 from v2 on).
+    assert phases(t, "forward")[:3] == [("v0", 10, 20), ("v1", 10, 30), ("v2", 20, 30)]
+    # Only v0 and v1 run again (v2 is kept): 30 live before (v2, its block, v2's
+    # gradient), v0 (+20), v1 (+20, v0's value gone when v1 has read it): 60.
+    assert phases(t, "recompute") == [("v0", 50, 50), ("v1", 60, 70), ("v2", 40, 40)]
+    assert t.peak_bytes == plan.predicted_peak_bytes == 70 < plain.peak_bytes
+    assert plan.predicted_extra_seconds == 2.0  # t_fwd of v0 and v1, not of the kept v2
 
 
 def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():
     # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep); nothing saved, so what stays live
-    # between forward and backward is only what the checkpoint keeps: its input v0.
+    # between forward and backward is only what the checkpoint keeps: its input v0 and its
+    # boundary value v2.
     nodes = [Node(f"v{i}", "op", mem=m) for i, m in enumerate([100, 10, 10, 1])]
     g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")],
               {"saved_refs": {}, "outputs": ["v3"]})
     plan = make_plan(g, [(["v0"], "keep"), (["v1", "v2"], "recompute"), (["v3"], "keep")], "t")
     t = simulate(g, plan)
-    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 101]
+    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 111]
     ends = {e.node: e.live_bytes for e in t.events if e.phase == "backward"}
     # After v1's backward (the stage's last) the checkpoint frame and v0 go: only v0's
     # gradient (100) remains.

@@ -234,6 +234,9 @@ class GraphMeta:
     # ---- added by the planner ----------------------------------------------------------------
     bandwidth_bytes_per_s: float | None = None
     """Host-device bandwidth, the offloading solvers' beta."""
+    grads_resident: bool | None = None
+    """Whether the parameters' gradients exist before the step, so are resident
+    (``zero_grad(set_to_none=False)``; docs/design.md section 4.7)."""
     # ---- anything else -----------------------------------------------------------------------
     extra: dict[str, Any] = field(default_factory=dict)
     """Other keys of the JSON form, kept as they are (``model``, ``costs``, ...)."""

@@ -142,17 +142,19 @@ class SubmoduleCheckpointing:
 
 
 def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Plan:
-    """``plan`` with one vertex per stage, as the fallback runs it, scored by the simulator.
+    """``plan`` with one vertex per stage, as the fallback runs it (each recomputed
+    submodule again whole), scored by the simulator.
     When that no longer fits the budget, the least recomputation that does: every vertex
     recomputed, then, by decreasing forward time, kept again wherever it still fits. Raises
     :class:`~lightning_remat.errors.RematInfeasibleError` when even that does not fit."""
     actions = plan.action_of()
     split = make_plan(graph, [Stage([v], actions.get(v, "keep")) for v in graph.ids],
-                      plan.solver, budget_bytes)
+                      plan.solver, budget_bytes, whole_stages=True)
     if fits(split, budget_bytes):
         return split
     chosen = {v: "recompute" for v in graph.ids}
-    best = make_plan(graph, [Stage([v], chosen[v]) for v in graph.ids], plan.solver, budget_bytes)
+    best = make_plan(graph, [Stage([v], chosen[v]) for v in graph.ids], plan.solver, budget_bytes,
+                     whole_stages=True)
     if not fits(best, budget_bytes):
         raise RematInfeasibleError(budget_bytes or 0, best.predicted_peak_bytes,
                                    f"{plan.solver}, each submodule checkpointed on its own "
@@ -160,7 +162,7 @@ def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Pl
     for v in sorted(graph.ids, key=lambda v: -graph[v].t_fwd):
         chosen[v] = "keep"
         trial = make_plan(graph, [Stage([u], chosen[u]) for u in graph.ids], plan.solver,
-                          budget_bytes)
+                          budget_bytes, whole_stages=True)
         if fits(trial, budget_bytes):
             best = trial
         else:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, Traced
@@ -37,8 +40,10 @@ from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
     CompiledStages,
+    KeptRegion,
     RestoreNormStatistics,
     StageProgram,
+    boundary_policy,
     compile_stages,
     rebuild_output,
 )
@@ -211,10 +216,14 @@ class RematModule(nn.Module):
         for program in stages.programs:
             inputs = [env[name] for name in program.input_names]
             if program.action == "recompute" and recompute_now:
-                outputs = torch.utils.checkpoint.checkpoint(
-                    program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
-                    context_fn=self._context_fn(program),
-                )
+                # Selective checkpointing imports sympy on first use, which adds a warning
+                # filter: the filters are restored (the library changes no global state).
+                guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+                with guard:
+                    outputs = torch.utils.checkpoint.checkpoint(
+                        program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
+                        context_fn=self._context_fn(program),
+                    )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
                 if isinstance(hooks, OffloadHooks):
@@ -233,9 +242,29 @@ class RematModule(nn.Module):
         return rebuild_output(stages.output, env)
 
     def _context_fn(self, program: StageProgram) -> Callable[[], tuple[Any, Any]]:
-        if not program.norm_modules and not program.state_buffers:
-            return torch.utils.checkpoint.noop_context_fn
-        return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
+        """The contexts the stage's forward and its recomputation run in: selective
+        checkpointing that keeps the boundary values (docs/design.md section 5), and the
+        norm statistics restored around the recomputation."""
+        restores = bool(program.norm_modules or program.state_buffers)
+        if not program.kept_boundary:
+            if not restores:
+                return torch.utils.checkpoint.noop_context_fn
+            return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
+
+        def contexts() -> tuple[Any, Any]:
+            forward, recompute = create_selective_checkpoint_contexts(boundary_policy)
+            if restores:
+                # The snapshot is taken outside the recomputation mode, which would see its copies.
+                recompute = _both(RestoreNormStatistics(self, program), recompute)
+            return _both(KeptRegion(), forward), _both(KeptRegion(), recompute)
+
+        return contexts
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Any:
+    with first, second:
+        yield
 
 
 def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: list[tuple[str, str]]) -> inspect.Signature:

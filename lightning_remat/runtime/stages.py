@@ -20,6 +20,14 @@ of that one op). Recomputation then starts from the unmodified stage input;
 BatchNorm running statistics: :class:`RestoreNormStatistics` snapshots and restores the
 running statistics of a stage's norm layers around its recomputation, so they are updated
 exactly once per step, as in the plain run (docs/design.md section 5).
+
+Kept boundary values: a recomputed stage's boundary nodes run between markers that
+:func:`boundary_policy`, the stage's selective-checkpoint policy, reads, so their outputs
+are kept from the forward and only the rest of the stage runs again.
+
+Length: placement, the in-place rewrites, code generation and the kept-boundary policy all
+decide together what one stage program does under a plan; split, each would need the
+others' rules.
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.simulate import RANDOM_OPS
 
-__all__ = ["CompiledStages", "Ref", "RestoreNormStatistics", "StageProgram", "compile_stages",
+__all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
+           "call_out_of_place", "compile_stages", "keep_boundary_begin", "keep_boundary_end",
            "rebuild_output"]
 
 # ---------------------------------------------------------------------------------------
@@ -126,9 +137,25 @@ def _functionalize_crossing_inplace(
     graph: fx.Graph, stage: dict[str, int], actions: list[str], owner: nn.Module
 ) -> list[str]:
     """Rewrite the in-place ops that would break under the plan (see the module docstring)
-    to act on a clone; return the names of the rewritten ops."""
+    to leave their operand unchanged: the out-of-place form of the op where there is one
+    (``ReLU(inplace=True)`` run with ``inplace=False``, ``relu_`` -> ``relu``, ``+=`` -> ``+``),
+    else the op on a clone. Return the names of the rewritten ops.
+
+    An op is rewritten when its operand comes from another stage and either stage is
+    recomputed (recomputation must start from, and a kept boundary value must stay, the
+    unmodified tensor), when another stage reads the operand and is recomputed or runs on
+    the other side of the op, or when the op is in a recomputed stage and its result or its
+    operand crosses the stage boundary: a boundary value is kept from the forward
+    (docs/design.md section 5), and an in-place op cannot hand back a kept tensor in the
+    recomputation. ``lightning_remat.solvers.simulate.rewritten_inplace`` states the same
+    rule on the vertex graph."""
     position = {node: k for k, node in enumerate(graph.nodes)}
     rewritten: list[str] = []
+
+    def crosses(node: fx.Node) -> bool:
+        return any(u.op == "output" or (u.name in stage and stage[u.name] != stage[node.name])
+                   for u in node.users)
+
     for op_node in list(graph.nodes):
         if op_node.op not in ("call_module", "call_function", "call_method"):
             continue
@@ -136,25 +163,35 @@ def _functionalize_crossing_inplace(
         if operand is None or operand.op == "get_attr":
             continue  # in-place updates of parameters/buffers are state, not values
         op_stage = stage[op_node.name]
+        recomputed = actions[op_stage] == "recompute"
         other_users = [u for u in operand.users if u is not op_node and u.op != "output"]
         from_outside = operand.op == "placeholder" or stage[operand.name] != op_stage
-        needs = (from_outside and actions[op_stage] == "recompute") or any(
-            stage[u.name] != op_stage
-            and (actions[stage[u.name]] == "recompute"
-                 or (position[u] < position[op_node]) != (stage[u.name] < op_stage))
-            for u in other_users
+        operand_recomputed = operand.op != "placeholder" and actions[stage[operand.name]] == "recompute"
+        needs = (
+            (from_outside and (recomputed or operand_recomputed))
+            or any(
+                stage[u.name] != op_stage
+                and (actions[stage[u.name]] == "recompute"
+                     or (position[u] < position[op_node]) != (stage[u.name] < op_stage))
+                for u in other_users
+            )
+            or (recomputed and (crosses(op_node) or (not from_outside and crosses(operand))))
         )
         if not needs:
             continue
-        with graph.inserting_before(op_node):
-            clone = graph.call_method("clone", (operand,))
-        stage[clone.name] = op_stage
-        op_node.update_arg(0, clone)
-        # Readers after the op saw the modified tensor: they now read the op's result
-        # (setitem returns None, so its readers read the modified clone).
-        result = clone if op_node.target is operator.setitem else op_node
+        if _make_out_of_place(graph, op_node, owner):
+            result = op_node
+        else:
+            with graph.inserting_before(op_node):
+                clone = graph.call_method("clone", (operand,))
+            stage[clone.name] = op_stage
+            op_node.update_arg(0, clone)
+            position[clone] = position[op_node]
+            # setitem returns None, so its readers read the modified clone.
+            result = clone if op_node.target is operator.setitem else op_node
+        # Readers after the op saw the modified tensor: they now read the op's result.
         for user in list(operand.users):
-            if user is clone or user not in position or position[user] <= position[op_node]:
+            if user is result or user is op_node or user not in position or position[user] <= position[op_node]:
                 continue
             if user.op != "output" and stage[user.name] < op_stage:
                 raise ValueError(
@@ -165,6 +202,54 @@ def _functionalize_crossing_inplace(
             user.replace_input_with(operand, result)
         rewritten.append(op_node.name)
     return rewritten
+
+
+_OUT_OF_PLACE_OPERATORS = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv, operator.ifloordiv: operator.floordiv,
+    operator.imod: operator.mod, operator.ipow: operator.pow, operator.iand: operator.and_,
+    operator.ior: operator.or_, operator.ixor: operator.xor, operator.ilshift: operator.lshift,
+    operator.irshift: operator.rshift, operator.imatmul: operator.matmul,
+}
+
+
+def call_out_of_place(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call a module that has an ``inplace`` flag (``nn.ReLU(inplace=True)``) with the flag
+    off for this call only."""
+    module.inplace = False
+    try:
+        return module(*args, **kwargs)
+    finally:
+        module.inplace = True
+
+
+def _make_out_of_place(graph: fx.Graph, node: fx.Node, owner: nn.Module) -> bool:
+    """Turn the in-place op ``node`` into its out-of-place form, if it has one."""
+    if node.op == "call_module":
+        with graph.inserting_before(node):
+            module_ref = graph.get_attr(str(node.target))
+        node.op, node.target = "call_function", call_out_of_place
+        node.args = (module_ref, *node.args)
+        return True
+    if node.kwargs.get("inplace") is True:
+        node.kwargs = {**node.kwargs, "inplace": False}
+        return True
+    if node.op == "call_function":
+        if node.target in _OUT_OF_PLACE_OPERATORS:
+            node.target = _OUT_OF_PLACE_OPERATORS[node.target]
+            return True
+        name = getattr(node.target, "__name__", "")
+        plain = getattr(torch, name[:-1], None) if name.endswith("_") else None
+        if plain is not None and getattr(torch, name, None) is node.target:
+            node.target = plain
+            return True
+        return False
+    if node.op == "call_method":
+        name = str(node.target)
+        if name.endswith("_") and hasattr(torch.Tensor, name[:-1]):
+            node.target = name[:-1]
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,6 +277,10 @@ class StageProgram:
     """Qualified names of buffers functional norms in the stage update."""
     drop_after: list[str] = field(default_factory=list)
     """Environment values no later stage reads: released after this stage."""
+    kept_boundary: list[str] = field(default_factory=list)
+    """For a recomputed stage: the nodes whose aten ops' outputs are kept from the forward
+    and not run again (the stage's boundary values, docs/design.md section 5); their code
+    runs between :func:`keep_boundary_begin` and :func:`keep_boundary_end`."""
     stage_graph: fx.Graph | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -263,8 +352,17 @@ def _build_programs(
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
                     lookup(arg)
+        outputs = [
+            n.name for n in stage_nodes
+            if n.name in output_values or last_reader.get(n.name, -1) > k
+        ]
+        kept = _kept_boundary(stage_nodes, outputs, owner) if plan.stages[k].action == "recompute" else []
         for node in stage_nodes:
+            if node.name in kept:
+                stage_graph.call_function(keep_boundary_begin, ())
             env[node.name] = stage_graph.node_copy(node, lookup)
+            if node.name in kept:
+                stage_graph.call_function(keep_boundary_end, ())
             if node.op == "call_module":
                 module = owner.get_submodule(str(node.target))
                 for sub_name, sub in module.named_modules(prefix=str(node.target)):
@@ -274,10 +372,6 @@ def _build_programs(
                 for arg in list(node.args[1:3]) + [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]:
                     if isinstance(arg, fx.Node) and arg.op == "get_attr":
                         state_buffers.append(str(arg.target))
-        outputs = [
-            n.name for n in stage_nodes
-            if n.name in output_values or last_reader.get(n.name, -1) > k
-        ]
         stage_graph.output(tuple(env[name] for name in outputs))
         source, fn = _compile_stage(stage_graph, k)
         drop = sorted(
@@ -287,10 +381,94 @@ def _build_programs(
         programs.append(StageProgram(
             index=k, action=plan.stages[k].action, input_names=inputs, output_names=outputs,
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
-            state_buffers=sorted(set(state_buffers)), drop_after=drop, stage_graph=stage_graph,
+            state_buffers=sorted(set(state_buffers)), drop_after=drop,
+            kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
         ))
     output_structure = fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name))
     return programs, output_structure
+
+
+def _kept_boundary(stage_nodes: list[fx.Node], outputs: list[str], owner: nn.Module) -> set[str]:
+    """The nodes of a recomputed stage whose results are kept from the forward: those whose
+    value a later stage or the forward's output reads (for a ``getitem`` of a tuple producer
+    such as ``chunk``, the producer), except in-place ops (an in-place op cannot hand back
+    a kept tensor in the recomputation; :func:`_functionalize_crossing_inplace` has made
+    the crossing ones out-of-place) and random ops (``RANDOM_OPS``: a random op writes its
+    draws into a tensor it made, which a kept tensor must not see, and a skipped draw would
+    shift the stage's later ones)."""
+    members = {n.name for n in stage_nodes}
+    by_name = {n.name: n for n in stage_nodes}
+    kept: set[str] = set()
+    for name in outputs:
+        node = by_name[name]
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], fx.Node) and node.args[0].name in members):
+            node = node.args[0]
+        if (node.op in ("call_module", "call_function", "call_method")
+                and _mutated_operand(node, owner) is None and _op_name(node, owner) not in RANDOM_OPS):
+            kept.add(node.name)
+    return kept
+
+
+def _op_name(node: fx.Node, owner: nn.Module) -> str:
+    """The op name the trace gives a vertex (``graph.trace``): a module's class name, a
+    method's name, a function's name."""
+    if node.op == "call_module":
+        return type(owner.get_submodule(str(node.target))).__name__
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class KeptRegion:
+    """Whether the running code is inside a kept boundary node (see
+    :func:`boundary_policy`). Entered around a recomputed stage's forward and its
+    recomputation, it starts and ends outside: checkpoint stops a recomputation early by
+    raising, which can leave a node's end marker unrun."""
+
+    inside = False
+
+    def __enter__(self) -> None:
+        KeptRegion.inside = False
+
+    def __exit__(self, *exc: object) -> None:
+        KeptRegion.inside = False
+
+
+def keep_boundary_begin() -> None:
+    """Marks the start of a kept boundary node in generated stage code."""
+    KeptRegion.inside = True
+
+
+def keep_boundary_end() -> None:
+    """Marks the end of a kept boundary node in generated stage code."""
+    KeptRegion.inside = False
+
+
+_KEEPABLE: dict[Any, bool] = {}
+
+
+def _keepable(op: Any) -> bool:
+    """Whether an aten op's outputs can be kept from the forward: not an in-place op (its
+    result must be the tensor it modified in the recomputation too) and not a random op (a
+    kept random op draws nothing in the recomputation, which would shift the numbers every
+    later random op of the stage draws)."""
+    known = _KEEPABLE.get(op)
+    if known is None:
+        writes = any(r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns)
+        random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+        known = _KEEPABLE[op] = not (writes or random)
+    return known
+
+
+def boundary_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpoint policy of a recomputed stage (``torch.utils.checkpoint``'s
+    ``create_selective_checkpoint_contexts``): the aten ops of its kept boundary nodes are
+    saved, every other op runs again in the backward. Torch calls it for each op of the
+    forward and replays its choices in the recomputation by the op's position."""
+    if KeptRegion.inside and _keepable(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # ---------------------------------------------------------------------------------------

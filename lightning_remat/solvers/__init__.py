@@ -70,10 +70,10 @@ def get_solver(name: str) -> SolverFn:
 def fits(plan: Plan, budget_bytes: int | None) -> bool:
     """Whether a plan meets a budget: the solver says so under its own model *and* the
     simulator's predicted peak (PyTorch's real freeing behaviour, parameter gradients
-    included) is within it. The solvers' own models leave things out (the Kusumoto DP has no
+    included) plus the plan's margin (``Plan.margin_bytes``) is within it. The solvers' own models leave things out (the Kusumoto DP has no
     parameter gradients and no liveness; the offloading chain model has no branches), so a
     plan is only handed to the runtime when both agree."""
-    return plan.feasible and (budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes)
+    return plan.feasible and (budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes)
 
 
 def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **options: Any) -> Plan:

@@ -9,9 +9,19 @@ module follows that statement exactly (paper equation numbers in brackets):
 - extra time [eq. 1]: ``T = sum over i < k of time(Vi \\ B(Li))`` with ``time = t_fwd`` (the
   last stage is never recomputed);
 - cache after stage i: ``U(i) = U(i-1) + mem(B(Li) \\ L(i-1))``;
-- memory of stage i's backward [eq. 2]: ``U(i-1) + 2 mem(Vi) + mem(out(Li) \\ Li)
-  + mem(in(out(Li)) \\ Li \\ out(Li))``; the peak is the largest of these, and a strategy is
-  feasible for a budget M when its peak is at most M;
+- stage memory: not eq. 2 (which has no liveness and no parameter gradients) but the
+  simulator's, the one model of a step (docs/design.md sections 4.4 and 4.7): the peak is
+  ``max over i of U(i-1) + f(L(i-1), Li)`` with ``f`` the stage's own peak above the cache
+  (``simulate.stage_costs``) and the cache additive, ``U(i) = U(i-1) + kept(L(i-1), Li)``
+  (the stage's kept boundary values and their extra saved outputs). The exact DP, and the
+  approximate one where simulating every pair is cheap, take ``f`` and ``kept`` from the
+  simulator (exact). Otherwise the approximate DP uses an upper bound, vectorised:
+  ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
+  and transient bytes at v's backward peak, the same under every plan; storage shared
+  between vertices (views, in-place ops, gradients passed through ``add``) is counted per
+  vertex, and a random op's boundary value (recomputed, held by its readers) as kept. So a
+  DP-feasible plan fits by construction; a strategy is feasible for a budget M when its
+  peak plus the plan's margin is at most M;
 - DP (section 4.2, Appendix A Algorithm 1): a state is ``(L, t)`` holding the least cache
   ``m`` of any prefix that ends in L with extra time t; from ``(L, t, m)`` go to every lower
   set ``L' > L`` of the family with ``m + stage_memory(L, L') <= M``.
@@ -42,9 +52,8 @@ Implementation choices (why):
 - Further pruning that keeps the optimum: ``g(L)``, the least budget above the held cache
   with which the strategy can still be finished from L (one backward pass), drops states
   with ``m + g(L) > M``; ``g({})`` is also the smallest budget with any strategy.
-- The plan's ``feasible`` is the DP's own verdict (its peak formula, eq. 2, against the
-  budget), not the simulator's, because that is the model the DP optimises; the DP's peak and
-  the simulator's peak both go into ``plan.notes``.
+- The plan's ``feasible`` is the DP's own verdict, which the simulator's figure confirms
+  (by construction); the DP's peak and the simulator's peak both go into ``plan.notes``.
 
 Length: the exact and the approximate DP, time- and memory-centric, share the lower-set
 families, the stage costs, the DP over (L, t) and the plan construction: one module, one
@@ -62,7 +71,13 @@ import numpy as np
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.simulate import (
+    RANDOM_OPS,
+    make_plan,
+    model_margin,
+    stage_costs,
+    vertex_costs,
+)
 
 __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",
@@ -76,6 +91,9 @@ DEFAULT_TIME_STEPS = 500
 _INF = np.iinfo(np.int64).max
 # Cache per-target transition arrays while their total size stays under this many entries.
 _TRANSITION_CACHE_ENTRIES = 5_000_000
+# The approximate DP simulates every pair of its lower sets while pairs x vertices stays
+# under this (about a second); above it, it uses the vectorised upper bound.
+_SIMULATED_WORK = 100_000
 
 
 # ---- graph as bitsets -------------------------------------------------------------------------
@@ -88,6 +106,12 @@ class _GraphBits:
     src: np.ndarray  # edge tails (vertex indices)
     dst: np.ndarray  # edge heads
     integer_times: bool
+    graph: Graph
+    size: np.ndarray  # int64 bytes each output allocates (the simulator's: 0 for resident views)
+    extra: np.ndarray  # int64 bytes each op saves besides forward values
+    keepable_time: np.ndarray  # float64 t_fwd of vertices a recomputed stage can keep, else 0
+    output: np.ndarray  # bool: the vertex leaves the forward
+    gradients: np.ndarray  # int64 gradient and transient bytes at each op's backward peak
 
     @property
     def n(self) -> int:
@@ -108,6 +132,10 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         src.append(index[u])
         dst.append(index[v])
     times = [float(node.t_fwd) for node in graph.nodes]
+    costs = vertex_costs(graph)
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
+    size = np.array([costs.size[v] for v in ids], dtype=np.int64)
+    extra = np.array([costs.extra[v] for v in ids], dtype=np.int64)
     return _GraphBits(
         ids=ids,
         mem=np.array([node.mem for node in graph.nodes], dtype=np.int64),
@@ -116,6 +144,12 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         src=np.array(src, dtype=np.int64),
         dst=np.array(dst, dtype=np.int64),
         integer_times=all(t.is_integer() for t in times),
+        graph=graph,
+        size=size,
+        extra=extra,
+        keepable_time=np.array([0.0 if n.op in RANDOM_OPS else float(n.t_fwd) for n in graph.nodes]),
+        output=np.array([v in outputs for v in ids], dtype=bool),
+        gradients=np.array([costs.gradients[v] for v in ids], dtype=np.int64),
     )
 
 
@@ -167,10 +201,13 @@ def _reduce_columns(matrix: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
 @dataclass
 class LowerSetFamily:
     """Lower sets sorted by size (index 0 is {}, the last is V) with what the DP needs of
-    each: ``mem(L)``, ``time(L)``, the boundary ``B(L)`` and the fixed part of eq. 2."""
+    each: ``mem(L)``, ``time(L)``, the boundary ``B(L)``, what a stage ending in L keeps."""
 
     bits: _GraphBits
     sets: list[int]
+    simulated: bool = False
+    """Stage costs from the simulator itself, one simulation per pair of lower sets (the
+    exact DP on small graphs); else the vectorised upper bound (module docstring)."""
     member: np.ndarray = field(init=False)  # K x n bool
     words: np.ndarray = field(init=False)  # K x W uint64, packed membership
     mem_set: np.ndarray = field(init=False)
@@ -209,6 +246,13 @@ class LowerSetFamily:
         self.time_boundary = boundary.astype(np.float64) @ t_fwd
         self.fixed = out_outside.astype(np.int64) @ mem + needed.astype(np.int64) @ mem
         self.boundary_idx = [np.flatnonzero(row) for row in boundary]
+        # What the executor keeps: B(L) and the model outputs in L (docs/design.md section 5).
+        kept = boundary | (member & bits.output)
+        self.kept_idx = [np.flatnonzero(row) for row in kept]
+        self.size_set = member.astype(np.int64) @ bits.size
+        self.extra_set = member.astype(np.int64) @ bits.extra
+        self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
+        self.time_kept = kept.astype(np.float64) @ bits.keepable_time
 
     @property
     def size(self) -> int:
@@ -216,33 +260,67 @@ class LowerSetFamily:
 
     def transitions(self, j: int) -> tuple[np.ndarray, ...]:
         """For target set j: its proper sub-lower-sets in the family (indices), and per
-        source L: the stage memory above U(i-1) [eq. 2], the cache it adds
-        ``mem(B(L') \\ L)`` and the extra time ``time(V' \\ B(L'))`` [eq. 1] (0 for V)."""
+        source L: the stage's peak above the cache the earlier stages hold, the cache it
+        adds (its kept boundary values with their extra saved outputs), and its extra time,
+        the forward time of what it recomputes (eq. 1: ``time(Vi \\ B(Li))``, 0 for the last
+        stage). See the module docstring for the stage memory."""
         hit = self._cache.get(j)
         if hit is not None:
             return hit
         words = self.words
         sources = np.flatnonzero(np.all((words[:j] & ~words[j]) == 0, axis=1))
-        b_idx = self.boundary_idx[j]
-        if b_idx.size:
-            inside = self.member[np.ix_(sources, b_idx)]
-            overlap_mem = inside.astype(np.int64) @ self.bits.mem[b_idx]
-            overlap_time = inside.astype(np.float64) @ self.bits.t_fwd[b_idx]
+        bits = self.bits
+        kept_idx = self.kept_idx[j]
+        if kept_idx.size:
+            inside = self.member[np.ix_(sources, kept_idx)]
+            kept_before = inside.astype(np.int64) @ (bits.size + bits.extra)[kept_idx]
+            time_before = inside.astype(np.float64) @ bits.keepable_time[kept_idx]
         else:
-            overlap_mem = np.zeros(sources.size, dtype=np.int64)
-            overlap_time = np.zeros(sources.size, dtype=np.float64)
-        stage_mem = 2 * (self.mem_set[j] - self.mem_set[sources]) + self.fixed[j]
-        cache_add = self.mem_boundary[j] - overlap_mem
-        if j == self.size - 1:
+            kept_before = np.zeros(sources.size, dtype=np.int64)
+            time_before = np.zeros(sources.size, dtype=np.float64)
+        last = j == self.size - 1
+        if self.simulated:
+            stage_mem, cache_add = self._simulated_costs(sources, j)
+        else:
+            # Every value of the stage and every extra block its ops save, plus the most
+            # gradient (and transient) bytes any of its ops meets in the backward, which
+            # are the same under every plan (module docstring).
+            inside = self.member[j] & ~self.member[sources]
+            stage_mem = (self.size_set[j] - self.size_set[sources]
+                         + (self.extra_set[j] - self.extra_set[sources])
+                         + np.where(inside, bits.gradients, 0).max(axis=1, initial=0))
+            cache_add = self.held_kept[j] - kept_before
+        if last:
             extra_time = np.zeros(sources.size, dtype=np.float64)  # the last stage: no recompute
         else:
             stage_time = self.time_set[j] - self.time_set[sources]
-            extra_time = np.maximum(stage_time - (self.time_boundary[j] - overlap_time), 0.0)
-        result = (sources, stage_mem, cache_add, extra_time)
+            extra_time = np.maximum(stage_time - (self.time_kept[j] - time_before), 0.0)
+        result = (sources, stage_mem.astype(np.int64), cache_add.astype(np.int64), extra_time)
         if self._cached_entries + sources.size <= _TRANSITION_CACHE_ENTRIES:
             self._cache[j] = result
             self._cached_entries += sources.size
         return result
+
+    def _simulated_costs(self, sources: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """The simulator's own stage costs (``simulate.stage_costs``) for each source L and
+        target L': the plan [L recomputed, L' less L, the rest kept] is simulated and the
+        middle stage's cost read off; it does not depend on how L itself is staged."""
+        graph, ids = self.bits.graph, self.bits.ids
+        last = j == self.size - 1
+        after = [ids[i] for i in np.flatnonzero(~self.member[j])]
+        stage_mem = np.zeros(sources.size, dtype=np.int64)
+        cache_add = np.zeros(sources.size, dtype=np.int64)
+        for position, source in enumerate(sources):
+            before = [ids[i] for i in np.flatnonzero(self.member[source])]
+            middle = [ids[i] for i in np.flatnonzero(self.member[j] & ~self.member[source])]
+            stages = [Stage(before, "recompute")] if before else []
+            stages.append(Stage(middle, "keep" if last else "recompute"))
+            if after:
+                stages.append(Stage(after, "keep"))
+            cost = stage_costs(graph, Plan(stages, [], 0, 0.0, "", True))[1 if before else 0]
+            stage_mem[position] = cost.peak_above_cache
+            cache_add[position] = cost.cache_bytes
+        return stage_mem, cache_add
 
     # ---- DP ---------------------------------------------------------------------------------
     def feasible(self, budget: int) -> bool:
@@ -259,7 +337,8 @@ class LowerSetFamily:
         return bool(best[-1] != _INF)
 
     def evaluate(self, sequence: list[int]) -> tuple[int, float]:
-        """Peak [eq. 2] and extra time [eq. 1] of a sequence of family indices."""
+        """The DP's peak (its stage memory, with the cache) and extra time [eq. 1] of a
+        sequence of family indices."""
         cache, peak, extra = 0, 0, 0.0
         for before, after in zip(sequence, sequence[1:]):
             sources, stage_mem, cache_add, extra_time = self.transitions(after)
@@ -295,8 +374,8 @@ class LowerSetFamily:
 
     def min_budget_by_bisection(self) -> int:
         """Binary search on M over :meth:`feasible` (the paper's method). The one-stage
-        strategy needs ``2 mem(V)``, so that is always enough."""
-        hi = int(self.mem_set[-1]) * 2
+        strategy's stage memory is always enough."""
+        hi = int(self.transitions(self.size - 1)[1][0])
         if self.feasible(0):
             return 0
         lo = 0
@@ -430,10 +509,11 @@ def _undominated(t: np.ndarray, m: np.ndarray, unit: float, objective: str) -> n
     return representative[occupied[best < best_before]]
 
 
-# ---- evaluating a sequence (the DP's own peak and time) --------------------------------------
+# ---- the paper's own formulas, for reference ---------------------------------------------------
 def evaluate_sequence(graph: Graph, stages: list[list[str]]) -> tuple[int, float]:
-    """Peak [eq. 2] and extra time [eq. 1] of the canonical strategy whose stages (forward
-    order) are given; each prefix union must be a lower set."""
+    """Peak [eq. 2 as printed] and extra time [eq. 1] of the canonical strategy whose stages
+    (forward order) are given; each prefix union must be a lower set. A reference for
+    comparisons: the DP itself uses the simulator's stage memory (module docstring)."""
     done: set[str] = set()
     cache = 0
     peak = 0
@@ -477,18 +557,17 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
     costs (auto, min-budget searches and benchmarks call the DP several times)."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (
-        exact,
-        tuple((node.id, node.mem, node.t_fwd) for node in graph.nodes),
-        tuple(graph.edges),
-    )
+    key = (exact, graph.to_json())
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = _graph_bits(graph)
     sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
-    family = LowerSetFamily(bits, sets)
+    # The approximate family too takes the simulator's own stage costs where simulating
+    # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
+    pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
+    family = LowerSetFamily(bits, sets, simulated=exact or pairs * max(bits.n, 1) <= _SIMULATED_WORK)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
@@ -505,18 +584,17 @@ def _plan_from_sequence(
     for position, (before, after) in enumerate(zip(sequence, sequence[1:]), start=1):
         new = np.flatnonzero(family.member[after] & ~family.member[before])
         nodes = [ids[i] for i in new]
-        # Every stage but the last recomputes Vi \ B(Li); one with nothing to recompute (all
-        # its vertices are cached boundary) is simply kept.
-        recomputed = bool(np.setdiff1d(new, family.boundary_idx[after]).size)
-        action = "recompute" if position < last and recomputed else "keep"
-        stages.append(Stage(nodes, action))
+        # Every stage but the last recomputes Vi \ B(Li), keeping B(Li) (the executor runs
+        # a stage whose vertices are all kept without running anything again).
+        stages.append(Stage(nodes, "recompute" if position < last else "keep"))
     dp_peak, extra = family.evaluate(sequence)
     plan = make_plan(graph, stages, solver, budget, extra_seconds=extra, notes=notes)
+    model = "the simulator's stage memory" if family.simulated else "its upper bound"
     plan.notes.append(
-        f"DP peak (eq. 2) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
+        f"DP peak ({model}) {dp_peak} bytes; simulator peak {plan.predicted_peak_bytes} bytes; "
         f"{len(stages)} stages over {family.size} lower sets"
     )
-    plan.feasible = dp_feasible
+    plan.feasible = dp_feasible and (budget is None or plan.guaranteed_peak_bytes <= budget)
     return plan
 
 
@@ -536,11 +614,10 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         # No limit: least extra time is no recomputation, one stage.
         notes.append("no budget: one stage, nothing recomputed")
         return _plan_from_sequence(graph, family, [0, family.size - 1], name, None, notes, True)
-    if objective == "tc" and budget is not None and budget >= 2 * int(family.mem_set[-1]):
-        # The one-stage strategy's peak (eq. 2) is 2 mem(V): it fits, and nothing is faster.
-        return _plan_from_sequence(graph, family, [0, family.size - 1], name, budget, notes, True)
-    target = budget
-    if budget is None:
+    margin = model_margin(graph)
+    # The DP meets the budget less the plan's margin (docs/design.md section 4.7).
+    target = None if budget is None else max(budget - margin, 0)
+    if target is None:
         target = family.min_budget()
         notes.append(
             f"no budget: memory-centric strategy at the smallest budget with a solution, {target} bytes"
@@ -550,8 +627,8 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         return _plan_from_sequence(graph, family, found, name, budget, notes, True)
     smallest = family.min_budget()
     notes.append(
-        f"no strategy has peak <= {budget} bytes; the smallest budget with one is {smallest} "
-        "bytes: this is the strategy for that budget"
+        f"no strategy has peak <= {budget} bytes; the smallest budget with one is "
+        f"{smallest + margin} bytes: this is the strategy for that budget"
     )
     found = _run(family, smallest, objective, time_steps)
     assert found is not None  # g({}) is met by construction
@@ -629,7 +706,7 @@ def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOW
                 **_: Any) -> int:
     if len(graph) == 0:
         return 0
-    return _family(graph, exact, max_lower_sets).min_budget()
+    return _family(graph, exact, max_lower_sets).min_budget() + model_margin(graph)
 
 
 def min_budget_solve_approx_tc(graph: Graph, **options: Any) -> int:

@@ -12,7 +12,11 @@ JSON form (exactly these keys)::
 
     {"stages": [{"nodes": ["conv1", "bn1"], "action": "recompute"}, ...],
      "stored": ["relu1", ...], "predicted_peak_bytes": 123, "predicted_extra_seconds": 0.01,
-     "solver": "kusumoto-tc", "feasible": true}
+     "solver": "kusumoto-tc", "feasible": true, "margin_bytes": 960}
+
+``margin_bytes`` (optional when read: older plans lack it) is the known error of the model
+of a step that the budget must still cover (``solvers.simulate.model_margin``): a plan
+fits a budget when ``predicted_peak_bytes + margin_bytes`` is within it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from lightning_remat.graph.ir import Graph
 
 ACTIONS = ("keep", "recompute", "offload")
 PLAN_KEYS = ("stages", "stored", "predicted_peak_bytes", "predicted_extra_seconds", "solver", "feasible")
+OPTIONAL_PLAN_KEYS = ("margin_bytes",)
+"""Keys a plan may lack (plans written before they existed): ``margin_bytes`` reads as 0."""
 
 
 @dataclass
@@ -50,6 +56,14 @@ class Plan:
     feasible: bool
     notes: list[str] = field(default_factory=list, compare=False)
     """Why the solver chose this plan (not part of the JSON form)."""
+    margin_bytes: int = 0
+    """What the budget must hold beyond the predicted peak: the known error of the model
+    of a step on the graph's device (``solvers.simulate.model_margin``)."""
+
+    @property
+    def guaranteed_peak_bytes(self) -> int:
+        """The predicted peak plus the margin: what a budget must be to hold this plan."""
+        return int(self.predicted_peak_bytes) + int(self.margin_bytes)
 
     # ---- derived views ------------------------------------------------------------------
     def action_of(self) -> dict[str, str]:
@@ -73,6 +87,7 @@ class Plan:
             "predicted_extra_seconds": float(self.predicted_extra_seconds),
             "solver": self.solver,
             "feasible": bool(self.feasible),
+            "margin_bytes": int(self.margin_bytes),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -83,9 +98,10 @@ class Plan:
         if not isinstance(data, dict):
             raise ValueError("a plan is a JSON object")
         missing = [k for k in PLAN_KEYS if k not in data]
-        unknown = sorted(set(data) - set(PLAN_KEYS))
+        unknown = sorted(set(data) - set(PLAN_KEYS) - set(OPTIONAL_PLAN_KEYS))
         if missing or unknown:
-            raise ValueError(f"plan keys: missing {missing}, unknown {unknown}; expected {list(PLAN_KEYS)}")
+            raise ValueError(f"plan keys: missing {missing}, unknown {unknown}; expected "
+                             f"{list(PLAN_KEYS)} and optionally {list(OPTIONAL_PLAN_KEYS)}")
         stages = [Stage(list(s["nodes"]), s["action"]) for s in data["stages"]]
         return cls(
             stages=stages,
@@ -94,6 +110,7 @@ class Plan:
             predicted_extra_seconds=float(data["predicted_extra_seconds"]),
             solver=str(data["solver"]),
             feasible=bool(data["feasible"]),
+            margin_bytes=int(data.get("margin_bytes", 0)),
         )
 
     @classmethod

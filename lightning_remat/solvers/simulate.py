@@ -26,20 +26,30 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Aliased outputs.** Views and in-place ops (``meta.aliases``: ``{id: base_id}``, or
   a view op by name) share the storage of their base: no allocation, and the storage lives
   as long as any of the aliases needs it.
-- **Parameter gradients** (``meta.param_bytes``): on the first step they are allocated
-  by the backward of the op that owns the parameters and stay (they are part of the step's
-  peak, unlike the parameters themselves).
+- **Parameter gradients** (``meta.param_bytes``): allocated by the backward of the op that
+  owns the parameters and kept (part of the step's peak, unlike the parameters), unless
+  they exist before the step (``meta.grads_resident``: a loop that keeps them), when the
+  backward adds into them in place and they are resident like the parameters.
 - **Workspace** ``ws_fwd``/``ws_bwd``: transient, counted at its op's peak only; a
   composite op's internal gradient (``cross_entropy``: the log-probabilities' gradient) is
   its backward workspace where none was measured (``INTERNAL_GRADIENT_OPS``).
 
 Plans (see ``solvers/plan.py``): stages run in order in the forward and in reverse in the
-backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint``: in the
-forward its ops save nothing (its internal values die when forward-dead, their extra saved
-bytes exist only during the op), it keeps its inputs (values of earlier stages it reads)
-until its backward has finished, and its outputs read by later stages are ordinary values.
-When its backward starts, its forward runs again (phase ``recompute``: values and saved
-blocks allocated, values nobody saved freed when dead) and then it is back-propagated. An
+backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint`` with a
+selective policy that keeps its boundary (docs/design.md section 5): in the forward its ops
+save nothing (its internal values die when forward-dead, their extra saved bytes exist only
+during the op) except its kept boundary values (:func:`kept_boundary`: the values later
+stages or the output read, less random and unrewritten in-place ops), which stay with their
+ops' extra saved bytes until the recomputation; it keeps its inputs (values of earlier
+stages it reads) until its backward has finished. When its backward starts, the rest of its
+forward runs again (phase ``recompute``, :func:`recomputed_vertices`: values and saved
+blocks allocated, values nobody saved freed when dead), the kept values are handed on to
+the recomputed ops that read them, and then it is back-propagated. In-place ops the
+executor rewrites (:func:`rewritten_inplace`) own their storage. ``whole_stages=True``
+models the tracing fallback instead, which runs a recomputed stage again whole.
+
+The peak is also a fold over stages (:func:`stage_costs`), the form Kusumoto et al.'s DP
+uses (``solvers.kusumoto``). An
 ``offload`` stage runs as ``keep`` during its forward; when its forward ends, what its ops
 saved leaves the device (the device references are dropped), and it comes back as fresh
 copies when its backward starts (freed op by op as the backward consumes it).
@@ -77,6 +87,16 @@ GRAD_PASSTHROUGH_OPS = frozenset({
 })
 """Op names whose backward passes the incoming gradient on without a new buffer."""
 
+RANDOM_OPS = frozenset({
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "RReLU", "rrelu",
+})
+"""Op names that draw random numbers. A recomputed stage's boundary value made by one is
+recomputed, not kept (the executor replays the stage's random draws in order,
+docs/design.md section 5)."""
+
 INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
 """Composite ops whose backward runs as several autograd nodes with an internal gradient
 between them as large as what they save besides their inputs: ``cross_entropy`` is
@@ -84,6 +104,77 @@ between them as large as what they save besides their inputs: ``cross_entropy`` 
 (the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
 ``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)
 this internal gradient is the op's backward workspace."""
+
+
+def _inplace_operand(graph: Graph, v: str) -> str | None:
+    """The vertex whose storage the in-place op ``v`` modifies (None: not an in-place op,
+    or it modifies an input): its latest predecessor in the storage ``meta.aliases`` names."""
+    aliases = graph.meta.aliases or {}
+    root = aliases.get(v)
+    if root is None or graph[v].op in VIEW_OPS:
+        return None
+    same = [u for u in graph.predecessors(v) if u == root or aliases.get(u) == root]
+    return max(same, key=graph.position) if same else None
+
+
+def rewritten_inplace(graph: Graph, plan: Plan) -> set[str]:
+    """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
+    that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
+    vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
+    and either is recomputed, when another recomputed stage reads ``t``, or when ``v`` is
+    recomputed and its result (or ``t``, in its own stage) crosses the stage boundary."""
+    stage_of = plan.stage_of()
+    recomputed = [st.action == "recompute" for st in plan.stages]
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+
+    def crosses(x: str) -> bool:
+        return x in outputs or any(stage_of[w] != stage_of[x] for w in graph.successors(x))
+
+    rewritten: set[str] = set()
+    for v in graph.ids:
+        t = _inplace_operand(graph, v)
+        if t is None:
+            continue
+        s, st = stage_of[v], stage_of[t]
+        if ((st != s and (recomputed[s] or recomputed[st]))
+                or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in graph.successors(t))
+                or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
+            rewritten.add(v)
+    return rewritten
+
+
+def kept_boundary(graph: Graph, plan: Plan) -> list[set[str]]:
+    """Per stage, the vertices whose values a recomputed stage keeps from its forward and
+    does not run again (empty for other stages): its boundary ``B(Li)`` and the model
+    outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
+    rewrite (docs/design.md section 5)."""
+    stage_of = plan.stage_of()
+    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+    rewritten = rewritten_inplace(graph, plan)
+    kept: list[set[str]] = []
+    for k, stage in enumerate(plan.stages):
+        if stage.action != "recompute":
+            kept.append(set())
+            continue
+        kept.append({
+            v for v in stage.nodes
+            if (v in outputs or any(stage_of[w] != k for w in graph.successors(v)))
+            and graph[v].op not in RANDOM_OPS
+            and (v in rewritten or _inplace_operand(graph, v) is None)
+        })
+    return kept
+
+
+def recomputed_vertices(graph: Graph, plan: Plan) -> list[list[str]]:
+    """Per stage, the vertices the executor runs again in the backward, in forward order:
+    for a recomputed stage ``Vi`` less its kept boundary (Kusumoto et al.'s
+    ``Vi \\ B(Li)``), nothing for other stages."""
+    kept = kept_boundary(graph, plan)
+    return [
+        [v for v in sorted(stage.nodes, key=graph.position) if v not in kept[k]]
+        if stage.action == "recompute" else []
+        for k, stage in enumerate(plan.stages)
+    ]
 
 
 @dataclass
@@ -114,10 +205,11 @@ class Timeline:
 class _Storages:
     """Reference-counted storages and the running total of live bytes."""
 
-    __slots__ = ("live", "refs", "size")
+    __slots__ = ("grad_live", "live", "refs", "size")
 
     def __init__(self) -> None:
         self.live = 0
+        self.grad_live = 0  # of which gradients (of values and of parameters)
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
 
@@ -126,6 +218,15 @@ class _Storages:
         self.size[key] = nbytes
         self.refs[key] = refs
         self.live += nbytes
+        if _is_gradient(key):
+            self.grad_live += nbytes
+
+    def _free(self, key: object) -> None:
+        del self.refs[key]
+        nbytes = self.size.pop(key)
+        self.live -= nbytes
+        if _is_gradient(key):
+            self.grad_live -= nbytes
 
     def is_live(self, key: object) -> bool:
         return key in self.refs
@@ -138,22 +239,84 @@ class _Storages:
         if count > 0:
             self.refs[key] = count
         else:
-            del self.refs[key]
-            self.live -= self.size.pop(key)
+            self._free(key)
 
     def settle(self, key: object) -> None:
         """Free a storage allocated with no owner (a value nothing reads)."""
         if self.refs.get(key) == 0:
-            del self.refs[key]
-            self.live -= self.size.pop(key)
+            self._free(key)
 
 
-def simulate(graph: Graph, plan: Plan | None = None) -> Timeline:
+def _is_gradient(key: object) -> bool:
+    return isinstance(key, tuple) and key[0] in ("grad", "param_grad")
+
+
+@dataclass
+class VertexCosts:
+    """What the simulator charges each vertex (for solvers that bound its figures)."""
+
+    size: dict[str, int]
+    """Bytes the output allocates (0 for a view of an input or parameter)."""
+    gradients: dict[str, int]
+    """Bytes of gradients (of values and of parameters) and transients live at the peak of
+    the vertex's backward, or its forward workspace if larger. Every plan back-propagates in
+    the same order, so this does not depend on the plan."""
+    extra: dict[str, int]
+    """Bytes the op saves besides forward values."""
+    param_bytes: dict[str, int]
+    """Bytes of the gradients of the op's parameters."""
+
+
+def vertex_costs(graph: Graph) -> VertexCosts:
+    """The per-vertex figures the simulator works with, from the graph's costs and meta."""
+    sim = _StepSimulation(graph, None)
+    if graph.ids:
+        sim.run()
+    gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
+    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes))
+
+
+@dataclass
+class StageCost:
+    """One stage's part of a step's peak (docs/design.md section 4.7): the step's peak is
+    ``max over stages of (cache before the stage + peak_above_cache)``, the cache before
+    stage i being the sum of ``cache_bytes`` of the stages before it (Kusumoto et al.'s
+    ``U(i-1)``)."""
+
+    peak_above_cache: int
+    """The highest live bytes during the stage's forward, recomputation and backward, less
+    the cache the earlier stages hold."""
+    cache_bytes: int
+    """What the stage holds from its forward to its recomputation: its kept boundary values
+    and their extra saved outputs."""
+
+
+def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
+    """The step's peak under ``plan`` as a fold over its stages (see :class:`StageCost`).
+    A stage's ``peak_above_cache`` depends only on the stage's vertices and what came before
+    it as a set, not on how the earlier vertices were staged, so Kusumoto et al.'s DP over
+    lower sets can use it (``solvers.kusumoto``)."""
+    sim = _StepSimulation(graph, plan)
+    timeline = sim.run() if graph.ids else Timeline()
+    peaks = [0] * len(sim.stages)
+    for event in timeline.events:
+        peaks[event.stage] = max(peaks[event.stage], event.peak_bytes)
+    costs: list[StageCost] = []
+    cache = 0
+    for k, peak in enumerate(peaks):
+        costs.append(StageCost(peak - cache, sim.kept_bytes[k]))
+        cache += sim.kept_bytes[k]
+    return costs
+
+
+def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
-    keep-everything plan when None): a forward, the loss, ``loss.backward()``."""
+    keep-everything plan when None): a forward, the loss, ``loss.backward()``.
+    ``whole_stages``: a recomputed stage runs again whole, its boundary included (the
+    tracing fallback's executor, ``runtime.hooked``), instead of keeping its boundary."""
     if not graph.ids:
         return Timeline()
-    return _StepSimulation(graph, plan).run()
+    return _StepSimulation(graph, plan, whole_stages).run()
 
 
 class _StepSimulation:
@@ -167,14 +330,18 @@ class _StepSimulation:
     besides values, ``("grad", v | n)`` a gradient, ``("param_grad", v)`` v's parameters'
     gradients."""
 
-    def __init__(self, graph: Graph, plan: Plan | None) -> None:
+    def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False) -> None:
         ids = graph.ids
         if plan is None:
             self.stages: list[list[str]] = [ids]
             self.actions = ["keep"]
+            self.kept: list[set[str]] = [set()]
+            self.own_storage: set[str] = set()
         else:
             self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
+            self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan)
+            self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
         self.node = {v: graph[v] for v in ids}
         self.succ = {v: graph.successors(v) for v in ids}
@@ -187,6 +354,14 @@ class _StepSimulation:
         # vertices of an offloaded stage whose saved state left the device.
         self.held: dict[str, list[object]] = {v: [] for v in ids}
         self.closure: list[list[object]] = [[] for _ in self.stages]
+        # A recomputed stage's kept boundary values: the storage each holds, until its
+        # recomputation hands them on.
+        self.kept_held: dict[str, object] = {}
+        self.kept_bytes = [0] * len(self.stages)  # what each stage adds to the cache
+        # Per vertex: gradients (of values and parameters) and transients at its backward's
+        # peak; the same under every plan (the backward runs in one order).
+        self.gradient_peak: dict[str, int] = {}
+        self._kept_storages: set[object] = set()
         self.offloaded: list[list[str]] = [[] for _ in self.stages]
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
@@ -208,11 +383,14 @@ class _StepSimulation:
         """What the step needs to know of each vertex, from its costs and the graph's meta."""
         ids, meta = graph.ids, graph.meta
         self.param_bytes = {k: int(b) for k, b in (meta.param_bytes or {}).items()}
+        # Gradients kept between steps are resident: the backward adds into them in place.
+        self.grads_resident = bool(meta.grads_resident)
         outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
         self.outputs = [o for o in outputs if o in graph]
         # The profiler names aliases itself (views and in-place results); op names are the
         # fallback for graphs that lack them.
         guess_views = meta.aliases is None and meta.saved_refs is not None
+        self.aliases = meta.aliases or {}
         self.base = self._storage_bases(ids, meta.aliases or {}, guess_views)
         self.requires = self._requires_grad(ids, meta.param_bytes is not None)
         self.saved_refs = {v: self._refs_of(v, meta.saved_refs) if self.requires[v] else []
@@ -231,7 +409,7 @@ class _StepSimulation:
         in-place op); only with the profiler's meta, a hand-built graph's vertices own theirs."""
         base: dict[str, str] = {}
         for v in ids:
-            target = aliases.get(v)
+            target = None if v in self.own_storage else aliases.get(v)
             if (target is None and guess_views and self.node[v].op in VIEW_OPS
                     and len(self.pred[v]) == 1):
                 target = self.pred[v][0]
@@ -254,7 +432,14 @@ class _StepSimulation:
         if saved_refs is None:
             return []
         seen: dict[str, None] = {}
+        aliases = self.aliases
         for r in saved_refs.get(v, ()):
+            # The profile names a storage by its first owner; an in-place op the executor
+            # rewrote owns a storage of its own, which v saves when it reads that op.
+            for reader_input in (v, *self.pred[v]):
+                if reader_input in self.own_storage and aliases.get(reader_input) == r:
+                    r = reader_input
+                    break
             if r in self.base:
                 seen.setdefault(self.base[r])
         return list(seen)
@@ -321,8 +506,19 @@ class _StepSimulation:
         transient = self.node[v].ws_fwd
         if self.actions[k] == "recompute":
             # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
-            # only while the op runs, and it holds no forward values.
-            transient += self.extra[v]
+            # only while the op runs, and it holds no forward values. A kept boundary op's
+            # outputs (its value and its extra outputs, e.g. BatchNorm's statistics) are
+            # held until the recomputation.
+            if v in self.kept[k]:
+                self._save_extra(v)
+                self.kept_held[v] = self._val(v)
+                mem.hold(self._val(v))
+                self.kept_bytes[k] += self.extra[v]
+                if self._val(v) not in self._kept_storages:
+                    self._kept_storages.add(self._val(v))
+                    self.kept_bytes[k] += mem.size[self._val(v)]
+            else:
+                transient += self.extra[v]
             for u in self.pred[v]:
                 key = self._val(u)
                 if self.stage_of[u] != k and key not in in_closure:
@@ -355,14 +551,15 @@ class _StepSimulation:
     def _recompute_stage(self, k: int) -> None:
         """Non-reentrant checkpoint re-runs the stage's forward when its backward starts;
         values it does not save die as soon as the recomputation no longer reads them."""
-        stage, base, stage_of = self.stages[k], self.base, self.stage_of
+        stage, base, stage_of, kept = self.stages[k], self.base, self.stage_of, self.kept[k]
         re_refs = {v: sum(1 for w in self.succ[v] if stage_of[w] == k and base[w] != base[v])
                    for v in stage}
         for v in stage:
-            if base[v] != v and stage_of[base[v]] == k:
+            if base[v] != v and stage_of[base[v]] == k and v not in kept:
                 re_refs[base[v]] += re_refs[v] + 1
         rkey: dict[str, object] = {
-            v: (("rval", base[v]) if stage_of[base[v]] == k else self._val(v)) for v in stage
+            v: (("rval", base[v]) if stage_of[base[v]] == k and v not in kept else self._val(v))
+            for v in stage
         }
         for v in stage:
             self._recompute_op(k, v, rkey, re_refs)
@@ -370,6 +567,9 @@ class _StepSimulation:
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int]) -> None:
         mem, base, stage_of = self.mem, self.base, self.stage_of
+        if v in self.kept[k]:
+            self._hand_on_kept(k, v, rkey, re_refs)
+            return
         if base[v] == v:
             mem.alloc(rkey[v], self.size[v], re_refs[v])
         self._save_for_backward(
@@ -382,6 +582,29 @@ class _StepSimulation:
             mem.release(rkey[v])
         mem.settle(rkey[v])
         self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
+
+    def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
+                      re_refs: dict[str, int]) -> None:
+        """A kept boundary op does not run again: its kept outputs become the recomputed
+        stage's (held by its readers in the stage and by what its own backward saves), and
+        the checkpoint's own reference goes."""
+        mem = self.mem
+        key = self.kept_held.pop(v)
+        for _ in range(re_refs[v]):
+            mem.hold(key)
+        extra = self.held[v]  # its extra outputs, kept since the forward
+        self.held[v] = []
+        for held in extra:
+            self.held[v].append(held)
+        for r in self.saved_refs[v]:
+            ref = rkey[r] if self.stage_of[r] == k else self._val(r)
+            mem.hold(ref)
+            self.held[v].append(ref)
+        for u in self.pred[v]:
+            if self.stage_of[self.base[u]] == k and self.base[u] != self.base[v]:
+                mem.release(rkey[u])
+        mem.release(key)
+        self.timeline.events.append(Event("recompute", v, mem.live, mem.live, k))
 
     def _restore_stage(self, k: int) -> None:
         """An offloaded stage's saved state comes back to the device as fresh copies (each
@@ -421,11 +644,12 @@ class _StepSimulation:
         peak_extra = 0
         if my_grad is not None:
             peak_extra = self._pass_gradient(v, my_grad)
-            pb = self.param_bytes.get(v, 0)
+            pb = 0 if self.grads_resident else self.param_bytes.get(v, 0)
             if pb:
                 # The first step's parameter gradients: allocated here, kept.
                 mem.alloc(("param_grad", v), pb, 1)
         peak = mem.live + transient + peak_extra
+        self.gradient_peak[v] = mem.grad_live + peak_extra + transient
         if my_grad is not None:
             mem.release(my_grad)
         for key in self.held[v]:
@@ -488,11 +712,15 @@ def make_plan(
     stored: list[str] | None = None,
     extra_seconds: float | None = None,
     notes: list[str] | None = None,
+    *,
+    whole_stages: bool = False,
 ) -> Plan:
     """A Plan with its derived fields filled in: stages ordered topologically inside,
     ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
-    predicted peak, the recomputation time (default: the forward time of every recomputed
-    stage) and ``feasible`` (predicted peak within the budget; True without a budget)."""
+    predicted peak and margin, the recomputation time (default: the forward time of what
+    the executor runs again, :func:`recomputed_vertices`) and ``feasible`` (predicted peak
+    plus margin within the budget; True without a budget). ``whole_stages``: as
+    :func:`simulate`'s."""
     stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
     for s in stage_list:
         s.nodes = sorted(s.nodes, key=graph.position)
@@ -500,23 +728,57 @@ def make_plan(
         crossing = set(boundary(graph, stage_list))
         kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
         stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
-    if extra_seconds is None:
-        extra_seconds = sum(
-            graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"
-        )
     plan = Plan(
         stages=stage_list,
         stored=list(stored),
         predicted_peak_bytes=0,
-        predicted_extra_seconds=float(extra_seconds),
+        predicted_extra_seconds=float(extra_seconds or 0.0),
         solver=solver,
         feasible=True,
         notes=list(notes or []),
     )
     plan.validate(graph)
-    plan.predicted_peak_bytes = simulate(graph, plan).peak_bytes
-    plan.feasible = budget_bytes is None or plan.predicted_peak_bytes <= budget_bytes
+    if extra_seconds is None:
+        plan.predicted_extra_seconds = (
+            float(sum(graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"))
+            if whole_stages else recomputed_seconds(graph, plan))
+    plan.predicted_peak_bytes = simulate(graph, plan, whole_stages=whole_stages).peak_bytes
+    plan.margin_bytes = model_margin(graph)
+    plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
     return plan
+
+
+SMALL_TENSOR_BYTES = 64
+"""Per vertex, on the CPU: the small tensors a step makes that no vertex's cost holds (a
+scalar loss, a BatchNorm's ``num_batches_tracked`` update, statistics rounded to storage
+sizes). The CPU meter counts every storage (docs/design.md section 6); measured on the
+tests' models the simulator is within a few hundred bytes of it."""
+
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
+
+
+def model_margin(graph: Graph) -> int:
+    """The known error of the model of a step, which a budget must cover beyond the
+    predicted peak (docs/design.md section 4.7): on CUDA the allocator's rounding, up to one
+    block for each storage that can be live at once (each vertex's value, its saved state
+    and its gradient, and each parameter gradient); on other devices
+    ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
+    is its own exact model: no margin."""
+    if graph.meta.device is None:
+        return 0
+    device = str(graph.meta.device)
+    n = len(graph)
+    if device.startswith("cuda"):
+        params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
+        return CUDA_BLOCK_BYTES * (3 * n + params)
+    return SMALL_TENSOR_BYTES * n
+
+
+def recomputed_seconds(graph: Graph, plan: Plan) -> float:
+    """The forward time of what the executor recomputes (:func:`recomputed_vertices`):
+    Kusumoto et al.'s eq. 1 for the plan's stages."""
+    return float(sum(graph.total("t_fwd", vs) for vs in recomputed_vertices(graph, plan)))
 
 
 def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:

@@ -28,7 +28,8 @@ if sys.argv[1] == "package":
     import lightning_remat
     from torch import nn
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(),
+                          *[m for _ in range(5) for m in (nn.Linear(256, 256), nn.ReLU())],
                           nn.Linear(256, 8))
     lightning_remat.remat(model, torch.randn(2048, 64), memory_budget="80%")
 def allocations():
@@ -80,7 +81,9 @@ def _global_settings() -> dict:
 
 def test_remat_leaves_no_global_setting_changed():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 4))
+    model = nn.Sequential(nn.Linear(16, 256), nn.BatchNorm1d(256), nn.ReLU(),
+                          *[m for _ in range(4) for m in (nn.Linear(256, 256), nn.BatchNorm1d(256), nn.ReLU())],
+                          nn.Linear(256, 4))
     x = torch.randn(1024, 16)
     before = _global_settings()
     remat_model = remat(model, x, memory_budget="80%")
