@@ -122,7 +122,7 @@ def measured_plans(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     for peer, cells in (record.get("equal_memory") or {}).items():
         for solver, row in cells.items():
             if "predicted_peak_bytes" in row and "same_plan_as" not in row:
-                out.append((f"remat {solver} @{method_label(peer)}'s peak", row))
+                out.append((f"remat {solver} at the peak of {method_label(peer)}", row))
     for method, entry in (record.get("largest_batch") or {}).items():
         if isinstance(entry, dict):
             for batch, row in (entry.get("rows") or {}).items():
@@ -196,8 +196,9 @@ def verdict(ours: dict[str, Any], peer: dict[str, Any], plain: dict[str, Any]) -
         return text
     change = time_ratio(ours, plain) / time_ratio(peer, plain) - 1
     text = f"{'faster' if change < 0 else 'slower'} by {abs(100 * change):.0f}%"
-    if ours["peak_bytes"] > peer["peak_bytes"]:
-        text += f", peak {100 * (ours['peak_bytes'] / peer['peak_bytes'] - 1):.1f}% above the peer's"
+    above = ours["peak_bytes"] / peer["peak_bytes"] - 1
+    if above > 0 or above < -0.05:  # over the peer's peak at all, or well under it
+        text += f", peak {abs(100 * above):.1f}% {'above' if above > 0 else 'below'} the peer's"
     return text
 
 
@@ -247,7 +248,7 @@ def equal_memory_findings(records: list[dict[str, Any]]) -> dict[str, list[str]]
             peer_row = rows.get(peer, {})
             if "peak_bytes" not in peer_row or "peak_bytes" not in plain:
                 continue
-            where = f"{record['model']} at {method_label(peer)}'s peak"
+            where = f"{record['model']} at the peak of {method_label(peer)}"
             auto = cells.get("auto", {})
             (auto_wins if "peak_bytes" in auto and time_ratio(auto, plain) <= time_ratio(peer_row, plain)
              else auto_misses).append(f"{where}: {verdict(auto, peer_row, plain)}")

@@ -4,11 +4,22 @@ For each model and method: the measured peak of one training step, its time, how
 gradients and BatchNorm statistics are from the plain model's, and the largest batch whose
 measured peak stays within the plain step's peak. Methods: plain training;
 ``torch.utils.checkpoint.checkpoint_sequential`` at each segment count (where the model has
-a sequential form); ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25; and
-lightning-remat's ``auto``, time-centric (``kusumoto-tc``), memory-centric (``kusumoto-mc``)
-and offloading (``dynprog``, CUDA only) plans at budgets of 25/50/75% of the plain peak;
-beside them each solver's predicted peak, predicted extra time and own runtime on the same
-profiled graph.
+a sequential form: the ResNets, VGG, DenseNet, the GPT); ``torch.compile`` with
+``activation_memory_budget`` 0.5 and 0.25; and lightning-remat's ``auto``, time-centric
+(``kusumoto-tc``), memory-centric (``kusumoto-mc``) and offloading (``dynprog``, CUDA only)
+plans at budgets of 25/50/75% of the plain peak; beside them each solver's predicted peak,
+predicted extra time and own runtime on the same profiled graph.
+
+**At equal memory** (ResNet-50, DenseNet-121, the U-Net, the GPT): each peer configuration's
+measured peak becomes the budget of ``auto``, ``kusumoto-tc``, ``kusumoto-mc``, ``feng``,
+``hong-linear`` and ``chen``, measured in the same run and harness.
+
+Our plans: the model is profiled once per run (a fresh process, ``plan_all``), every plan of
+the run (each solver at each budget) is made on that profile as ``remat()`` makes it, and
+each distinct plan is measured once, in a fresh process, through ``apply_plan``; the graph
+and the plans are kept in ``benchmarks/results/<tag>/plans/`` (``lightning-remat simulate``
+scores them again). Every measured plan's predicted peak and extra time sit beside the
+measured ones (``benchmarks/prediction.py`` prints them all and the worst errors).
 
 How it is measured (the same for every method):
 

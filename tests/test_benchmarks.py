@@ -75,7 +75,7 @@ def test_measure_gives_plain_agreement_and_a_budgeted_plan() -> None:
     assert {(c["solver"], c["budget"]) for c in cells} == {
         (s, b) for s in run.PREDICTED_SOLVERS for b in run.BUDGETS}
     assert all(c["fits"] == ("predicted_peak_bytes" in c) for c in cells)
-    assert run.measure("gpt", "checkpoint_sequential:2", "cpu", 2, 32, 1) == {"skipped": "no sequential form"}
+    assert run.measure("unet", "checkpoint_sequential:2", "cpu", 2, 32, 1) == {"skipped": "no sequential form"}
     assert "GPU" in run.measure("gpt", "remat:dynprog:50%", "cpu", 2, 32, 1)["skipped"]
     with pytest.raises(ValueError, match="unknown method"):
         run.measure("gpt", "magic", "cpu", 2, 32, 1)
@@ -201,19 +201,19 @@ def test_render_gives_the_equal_memory_table_and_its_verdicts(tmp_path: Path) ->
             "0.58 | 1.21 | slower by 10% |") in lines
     assert ("| | | | | kusumoto-tc, checkpoint_sequential:2: auto's plan | 58.0 | 0.58 | 1.21 | "
             "slower by 10% |") in lines
-    # Below the peer's peak in memory at 1.32 against 1.10; 55 MiB is under 60, no peak note.
-    assert "| | | | | kusumoto-mc | 55.0 | 0.55 | 1.32 | slower by 20% |" in lines
+    # At 1.32 against 1.10, and well under the peer's peak (55 MiB against 60: said).
+    assert "| | | | | kusumoto-mc | 55.0 | 0.55 | 1.32 | slower by 20%, peak 8.3% below the peer's |" in lines
     assert "| | | | | chen | - | - | - | infeasible: smallest budget 66.0 MiB, +10% of the peer's peak |" in lines
     # The findings: auto slower than the peer in the one configuration; tc faster than mc.
     assert "`remat auto` at a peer's measured peak is at most the peer's time in 0 of 1 configurations." in text
-    assert "- resnet50 at checkpoint_sequential, 2 segments's peak: slower by 10%" in text
+    assert "- resnet50 at the peak of checkpoint_sequential, 2 segments: slower by 10%" in text
     assert "`kusumoto-tc` is nowhere slower than another solver" in text
     found = render.equal_memory_findings([_equal_memory_record()])
     slow_tc = _equal_memory_record()
     slow_tc["equal_memory"]["checkpoint_sequential:2"]["kusumoto-tc"]["step_seconds"] = 1.5
     assert found["tc_misses"] == []
     assert render.equal_memory_findings([slow_tc])["tc_misses"] == [
-        "resnet50 at checkpoint_sequential, 2 segments's peak: kusumoto-tc 14% slower than kusumoto-mc"]
+        "resnet50 at the peak of checkpoint_sequential, 2 segments: kusumoto-tc 14% slower than kusumoto-mc"]
 
 
 def test_prediction_columns_cover_every_measured_plan_once(tmp_path: Path) -> None:
@@ -224,13 +224,13 @@ def test_prediction_columns_cover_every_measured_plan_once(tmp_path: Path) -> No
         "profiled_step_seconds": 1.0, "peak_bytes": 99 * 2**20, "step_seconds": 1.28, "plain_step_seconds": 1.0}}
     labels = [label for label, _ in render.measured_plans(record)]
     # The measured table's plan, the equal-memory cells measured (not the reused one), the probe.
-    assert labels == ["remat auto @50%", "remat auto @checkpoint_sequential, 2 segments's peak",
-                      "remat kusumoto-mc @checkpoint_sequential, 2 segments's peak",
+    assert labels == ["remat auto @50%", "remat auto at the peak of checkpoint_sequential, 2 segments",
+                      "remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments",
                       "remat auto, batch 20, budget = cap"]
     table = render.prediction_table(record)
     # auto @50%: predicted 48 MiB against 49 measured (-2.0%); extra +20% predicted, +30% measured.
     assert "| remat auto @50% | auto:kusumoto-mc | 49.0 | 48.0 | -2.0% | +30% | +20% | -10 pts |" in table
-    assert ("| remat kusumoto-mc @checkpoint_sequential, 2 segments's peak | kusumoto-mc | 55.0 | 56.0 | "
+    assert ("| remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments | kusumoto-mc | 55.0 | 56.0 | "
             "+1.8% | +32% | +30% | -2 pts |") in table
     worst = render.worst_predictions([record])
     assert worst["plans"] == 4 and worst["worst_extra"][1] == "remat auto @50%"
