@@ -126,9 +126,9 @@ EQUAL_MEMORY_SOLVERS = ["auto", "kusumoto-tc", "kusumoto-mc", "feng", "hong-line
 # --set help for what it costs).
 EQUAL_MEMORY_SET = {
     "models": ["resnet50", "densenet121", "unet", "gpt"],
-    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": ["75%"], "kusumoto-mc": ["75%"],
-                       "dynprog": []},
+    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": [], "kusumoto-mc": [], "dynprog": []},
     "largest_batch": [],
+    "repeats": 3,
 }
 
 
@@ -218,6 +218,8 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         from torch.utils.checkpoint import checkpoint_sequential
 
         segments = int(method.split(":")[1])
+        if segments > len(sequential):
+            return {"skipped": f"{len(sequential)} layers, fewer than {segments} segments"}
         seq = sequential.to(device)
 
         def run(inp):  # noqa: F811
@@ -697,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
     p.add_argument("--repeats", type=int, help="timed steps per method, and as many plain ones "
-                   "(default 5; 3 with --quick)")
+                   "(default 5; 3 with --quick and --set equal-memory)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")
@@ -721,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.repeats is None:
-        args.repeats = QUICK["repeats"] if args.quick else 5
+        args.repeats = selection(args).get("repeats", 5)
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     if args.quick and args.set != "all":
         p.error("--quick and --set choose different sets; give one")

@@ -311,3 +311,19 @@ def test_a_plan_made_on_one_profile_runs_in_another_process(tmp_path) -> None:
     assert {c["solver"] for c in out["predictions"]["cells"]} == set(run.PREDICTED_SOLVERS)
     row = run.measure("gpt", "plan:0", "cpu", 2, 32, 1, plans_file=str(plans_file))
     assert row["grad_rel_diff"] == 0.0 and row["peak_bytes"] > 0
+
+
+def test_the_equal_memory_set_keeps_every_model_and_peer_of_the_comparison() -> None:
+    """--set equal-memory is the CPU set that fits the machine: it drops models and the
+    largest-batch search, never a model of the comparison or a peer configuration."""
+    args = argparse.Namespace(quick=False, set="equal-memory", no_compile=False)
+    chosen = run.selection(args)
+    assert set(chosen["models"]) == {"resnet50", "densenet121", "unet", "gpt"}
+    assert chosen["equal_memory_models"] == chosen["models"] and not chosen["largest_batch"]
+    assert chosen["equal_memory_solvers"] == ["auto", "kusumoto-tc", "kusumoto-mc", "feng", "hong-linear", "chen"]
+    peers = [m for part, m in run.methods_for("resnet50", args, has_sequential=True) if part == "peers"]
+    assert peers == ["plain", "checkpoint_sequential:2", "checkpoint_sequential:4", "checkpoint_sequential:8",
+                     "compile:0.5", "compile:0.25"]
+    assert run.SIZES["cpu"]["resnet50"] == (16, 160)  # activations dominate its peak
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--set", "equal-memory"])
