@@ -233,7 +233,10 @@ def equal_memory_table(record: dict[str, Any]) -> list[str]:
                         f"{time_ratio(cell, plain):.2f} |")
             else:
                 ours = f" {name} | - | - | - |"
-            lines.append(f"{head}{ours} {verdict(cell, peer_row, plain)} |")
+            if eager_reading(peer, peer_row, plain, record.get("device", "")):
+                lines.append(f"{head}{ours} not comparable: the peer's peak is its eager step's |")
+            else:
+                lines.append(f"{head}{ours} {verdict(cell, peer_row, plain)} |")
     return lines
 
 
@@ -241,7 +244,7 @@ def equal_memory_findings(records: list[dict[str, Any]]) -> dict[str, list[str]]
     """The comparison's targets, checked: where ``auto`` is slower than a peer at the peer's
     peak (or cannot reach it), and where ``kusumoto-tc`` is slower than another solver at the
     same budget. Each entry names the model, the configuration and by how much."""
-    auto_misses, auto_wins, tc_misses = [], [], []
+    auto_misses, auto_wins, tc_misses, not_comparable = [], [], [], []
     for record in records:
         rows, plain = record["rows"], record["rows"].get("plain", {})
         for peer, cells in (record.get("equal_memory") or {}).items():
@@ -249,6 +252,9 @@ def equal_memory_findings(records: list[dict[str, Any]]) -> dict[str, list[str]]
             if "peak_bytes" not in peer_row or "peak_bytes" not in plain:
                 continue
             where = f"{record['model']} at the peak of {method_label(peer)}"
+            if eager_reading(peer, peer_row, plain, record.get("device", "")):
+                not_comparable.append(where)
+                continue
             auto = cells.get("auto", {})
             (auto_wins if "peak_bytes" in auto and time_ratio(auto, plain) <= time_ratio(peer_row, plain)
              else auto_misses).append(f"{where}: {verdict(auto, peer_row, plain)}")
@@ -261,12 +267,13 @@ def equal_memory_findings(records: list[dict[str, Any]]) -> dict[str, list[str]]
                 change = time_ratio(tc, plain) / time_ratio(cell, plain) - 1
                 if change > 0:
                     tc_misses.append(f"{where}: kusumoto-tc {100 * change:.0f}% slower than {solver}")
-    return {"auto_wins": auto_wins, "auto_misses": auto_misses, "tc_misses": tc_misses}
+    return {"auto_wins": auto_wins, "auto_misses": auto_misses, "tc_misses": tc_misses,
+            "not_comparable": not_comparable}
 
 
 def equal_memory_summary(tag: str, records: list[dict[str, Any]]) -> list[str]:
     found = equal_memory_findings(records)
-    if not found["auto_wins"] and not found["auto_misses"]:
+    if not found["auto_wins"] and not found["auto_misses"] and not found["not_comparable"]:
         return []
     total = len(found["auto_wins"]) + len(found["auto_misses"])
     lines = [f"### {tag} at equal memory", "",
@@ -275,12 +282,27 @@ def equal_memory_summary(tag: str, records: list[dict[str, Any]]) -> list[str]:
     if found["auto_misses"]:
         lines += ["Where not:", ""] + [f"- {m}" for m in found["auto_misses"]]
     lines += [""]
+    if found["not_comparable"]:
+        lines += ["Not compared (the peer's CPU peak is its eager step's, see its row): "
+                  + "; ".join(found["not_comparable"]) + ".", ""]
     if found["tc_misses"]:
         lines += ["`kusumoto-tc` slower than another solver at the same budget:", ""]
         lines += [f"- {m}" for m in found["tc_misses"]]
     else:
         lines.append("`kusumoto-tc` is nowhere slower than another solver that ran at the same budget.")
     return lines
+
+
+EAGER_READING = ("peak byte-equal to plain's: the CPU meter (a TorchDispatchMode) saw this step run "
+                 "eagerly, not compiled, so this peak is not torch.compile's")
+
+
+def eager_reading(method: str, row: dict[str, Any], plain: dict[str, Any], device: str) -> bool:
+    """A torch.compile row whose CPU peak equals the plain step's to the byte: measured with
+    the CPU meter's dispatch mode active, the step ran eagerly, so the reading is not the
+    compiled step's (its time, measured without the meter, is)."""
+    return (device == "cpu" and method.startswith("compile:") and "peak_bytes" in row
+            and row["peak_bytes"] == plain.get("peak_bytes"))
 
 
 def note(row: dict[str, Any], plain_predicted: int | None) -> str:
@@ -324,7 +346,9 @@ def measured_table(record: dict[str, Any]) -> list[str]:
                 f"{row['peak_bytes'] / plain['peak_bytes']:.2f} | "
                 f"{row['step_seconds'] / row.get('plain_step_seconds', plain['step_seconds']):.2f} | "
                 f"{row['grad_rel_diff']:.1e} | "
-                f"{row['norm_diff']:.1e} | {note(row, plain_predicted)} | {commit} |")
+                f"{row['norm_diff']:.1e} | "
+                f"{EAGER_READING if eager_reading(method, row, plain, record.get('device', '')) else note(row, plain_predicted)}"
+                f" | {commit} |")
         else:
             lines.append(f"| {method_label(method)} | - | - | - | - | - | {note(row, plain_predicted)} | {commit} |")
     return lines

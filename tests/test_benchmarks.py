@@ -327,3 +327,19 @@ def test_the_equal_memory_set_keeps_every_model_and_peer_of_the_comparison() -> 
     assert run.SIZES["cpu"]["resnet50"] == (16, 160)  # activations dominate its peak
     with pytest.raises(SystemExit):
         run.main(["--quick", "--set", "equal-memory"])
+
+
+def test_a_compile_peak_read_eagerly_on_the_cpu_is_not_compared(tmp_path: Path) -> None:
+    """On the CPU the meter's dispatch mode keeps torch.compile from compiling the measured
+    step: a compile peak equal to plain's to the byte is flagged, and no verdict rests on it."""
+    record = _equal_memory_record()
+    record["rows"]["compile:0.5"]["peak_bytes"] = record["rows"]["plain"]["peak_bytes"]
+    record["equal_memory"]["compile:0.5"] = {"auto": dict(record["equal_memory"]["checkpoint_sequential:2"]["auto"])}
+    found = render.equal_memory_findings([record])
+    assert found["not_comparable"] == ["resnet50 at the peak of torch.compile, activation budget 0.5"]
+    assert len(found["auto_misses"]) == 1  # checkpoint_sequential's verdict still stands
+    table = "\n".join(render.equal_memory_table(record))
+    assert "not comparable: the peer's peak is its eager step's" in table
+    assert render.EAGER_READING in "\n".join(render.measured_table(record))
+    record["device"] = "cuda"  # the allocator's counters see compiled code
+    assert render.equal_memory_findings([record])["not_comparable"] == []
