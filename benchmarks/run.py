@@ -363,6 +363,9 @@ def plan_all(model_name: str, device_name: str, batch: int, size: int,
             cells[key] = {"skipped": "infeasible", "budget_bytes": budget_bytes,
                           "min_budget_bytes": exc.min_budget_bytes}
             continue
+        except Exception as exc:  # noqa: BLE001 - one solver's failure is its cell's, not the run's
+            cells[key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}", "budget_bytes": budget_bytes}
+            continue
         line = lines.setdefault(json.dumps(plan.to_dict()["stages"]), len(lines))
         cells[key] = {"plan_line": line, "solver": plan.solver, "recomputed": plan.count("recompute"),
                       "offloaded": plan.count("offload"), "budget_bytes": budget_bytes,
@@ -375,7 +378,6 @@ def plan_all(model_name: str, device_name: str, batch: int, size: int,
     for cell in cells.values():
         if "plan_line" in cell:
             texts.setdefault(cell["plan_line"], cell.pop("_plan"))
-            cell.pop("_plan", None)
     plans_file.parent.mkdir(parents=True, exist_ok=True)
     graph.save(graph_path(plans_file))
     plans_file.write_text("".join(texts[i] + "\n" for i in range(len(texts))))
