@@ -12,6 +12,9 @@ Each section is one function returning its lines, listed in ``TAG_SECTIONS`` (pe
 ``MODEL_SECTIONS`` (per model) or ``DOCUMENT_SECTIONS`` (after every tag, for benchmarks
 with results of their own): a new table is a new function in one of those lists.
 
+Length: every section reads the same results records and shares the labels and the
+prediction-error definitions (``benchmarks/prediction.py`` imports them from here).
+
     python benchmarks/render.py
 """
 

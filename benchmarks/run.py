@@ -52,6 +52,10 @@ date and commit of the run, and ``benchmarks/render.py`` turns every results fil
 The script refuses to run from a tree with uncommitted changes (the commit it records would
 not be what was measured) unless ``--allow-dirty``; such rows name the commit plus "+dirty".
 torchvision models need the ``vision`` extra (``pip install -e .[vision]``).
+
+Length: the workers (one measurement, one profile with its plans) and the orchestration that
+spawns them share the method names, the sizes and the sets; one file keeps ``--worker`` a
+call of the same script.
 """
 
 from __future__ import annotations
