@@ -11,7 +11,7 @@ BENCH_VENV ?= .venv-bench
 BENCH_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test lint venv bench bench-equal-memory clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ $(BENCH_BIN)/.installed: pyproject.toml
 # The CPU part of benchmarks/RESULTS.md (under 20 minutes on 2 cores; refuses a dirty tree).
 bench: $(BENCH_BIN)/.installed
 	$(BENCH_BIN)/python benchmarks/run.py --quick
+
+# The equal-memory comparison at full size (ResNet-50, DenseNet-121, U-Net, GPT; every peer,
+# every solver at each peer's peak); its duration on 2 cores: README, "Reproduce".
+bench-equal-memory: $(BENCH_BIN)/.installed
+	$(BENCH_BIN)/python benchmarks/run.py --set equal-memory
 
 demo: venv
 	$(BIN)/python examples/quickstart.py

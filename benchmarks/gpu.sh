@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything the package claims on a GPU, in one command: the predicted against the measured
-# peak of a training step (benchmarks/prediction.py), the offload overlap (the idle time of
+# peak of a training step (benchmarks/prediction.py --measure), the offload overlap (the idle time of
 # the compute stream with and without offloading, benchmarks/overlap.py), then the GPU part
 # of benchmarks/RESULTS.md: every model and method on CUDA, in steps of under 10 minutes each
 # (one model, one part per step), each adding its rows to benchmarks/results/cuda/<model>.json
-# as it goes; RESULTS.md and the plots are rendered at the end and its CUDA tables printed.
+# as it goes; RESULTS.md and the plots are rendered at the end, its CUDA tables printed, and
+# every measured plan's predicted against measured peak and extra time.
 # Run it from a clean checkout with torchvision installed:
 #
 #   bash benchmarks/gpu.sh                  # every model, every part
@@ -32,7 +33,7 @@ step() {  # step <label> <command...>: run one step under the time limit, note a
   fi
 }
 if [ -z "${2:-}" ]; then
-  step "predicted vs measured peak" "$PY" benchmarks/prediction.py --device cuda --python "$PY"
+  step "predicted vs measured peak" "$PY" benchmarks/prediction.py --measure --device cuda --python "$PY"
   step "offload overlap" "$PY" benchmarks/overlap.py
 fi
 for model in $MODELS; do
@@ -48,6 +49,8 @@ for model in $MODELS; do
   done
 done
 "$PY" benchmarks/render.py || status=1
+echo "== every measured plan, predicted against measured (benchmarks/prediction.py --tag cuda)"
+"$PY" benchmarks/prediction.py --tag cuda || status=1
 echo "== benchmarks/RESULTS.md, CUDA tables"
 awk '/^## /{show = ($2 == "cuda")} show' benchmarks/RESULTS.md
 exit "$status"

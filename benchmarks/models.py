@@ -2,7 +2,8 @@
 
 ``GPT``: a small GPT-style language model (token and position embeddings, pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, a final LayerNorm and a head tied to the
-token embedding). Plain PyTorch ops only, so ``torch.fx`` traces it.
+token embedding). Plain PyTorch ops only, so ``torch.fx`` traces it; ``GPT.sequential()``
+is the same forward as a sequence of layers.
 
 ``UNet``: Ronneberger et al.'s U-Net (two 3x3 conv-BatchNorm-ReLU per level, max-pool down,
 transposed-conv up, skip connections concatenated), sized by ``width`` and ``depth``: the
@@ -78,6 +79,24 @@ class GPT(nn.Module):
         x = self.tokens(idx) + self.positions
         x = self.blocks(x)
         return self.head(self.ln_f(x))
+
+    def sequential(self) -> nn.Sequential:
+        """The same forward as layers in a row (embeddings, blocks, final LayerNorm, head),
+        sharing this model's parameters: the form ``checkpoint_sequential`` cuts."""
+        return nn.Sequential(_Embeddings(self), *self.blocks, self.ln_f, self.head)
+
+
+class _Embeddings(nn.Module):
+    """A GPT's token and position embeddings as one layer (the GPT is held outside the
+    module tree, so its parameters are not registered twice)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self._gpt = [gpt]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        gpt = self._gpt[0]
+        return gpt.tokens(idx) + gpt.positions
 
 
 class DoubleConv(nn.Sequential):

@@ -1,17 +1,30 @@
-"""Predicted against measured peak memory of one training step, per model.
+"""Predicted against measured peak and extra time of every plan ``benchmarks/run.py`` measured,
+and of a plain and a sqrt(n) recompute plan on three small models.
 
-For each model: one plain step's peak is measured with ``peak_bytes`` (after a warm-up
+By default it reads ``benchmarks/results/<tag>/*.json`` (every tag, or ``--tag``) and prints,
+for every plan of ours run.py measured (its budgets, the equal-memory cells, the largest-batch
+probes), the measured and predicted peak with the error in %, the measured extra time
+(time/plain - 1) and the predicted one (the plan's extra seconds over the profiled step)
+with the error in percentage points; then the worst errors and how many plans meet the
+targets (3%, 5 points). Nothing is measured again; the exit code is 1 when a target is
+missed, so scripts can check it. Where run.py kept the profiled graph and the plans
+(``results/<tag>/plans/``), each plan's predicted peak is scored again by the simulator
+(``lightning-remat simulate`` gives the same) and a plan whose recorded prediction differs
+is named.
+
+    python benchmarks/prediction.py                       # every results folder
+    python benchmarks/prediction.py --tag cpu             # one
+    python benchmarks/prediction.py --measure             # the small models below, CPU
+    python benchmarks/prediction.py --measure --device cuda
+
+``--measure``: for each model: one plain step's peak is measured with ``peak_bytes`` (after a warm-up
 step, parameter gradients set to None so the step allocates them as a first step does), the
 model is profiled with ``profile_module`` and the simulator predicts the same step's peak.
 Each model runs in its own fresh subprocess so earlier models leave nothing behind
 (allocator caches, glibc heaps). The step is ``model(x, targets).backward()`` where the
-model ends with its cross-entropy loss (``benchmarks.models.WithLoss``).
-
-    python benchmarks/prediction.py                 # CPU (the tensor storage meter)
-    python benchmarks/prediction.py --device cuda   # CUDA (allocator counters)
-
-torchvision models need torchvision: the workers run under ``--python`` (default: the
-vision venv when it exists, else this interpreter).
+model ends with its cross-entropy loss (``benchmarks.models.WithLoss``). torchvision models
+need torchvision: the workers run under ``--python`` (default: the benchmarks' venv,
+``.venv-bench``, when it exists, else this interpreter).
 """
 
 from __future__ import annotations
@@ -27,7 +40,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VISION_PYTHON = "/work/main/.venv-vision/bin/python"
+sys.path.insert(0, str(ROOT))
+VISION_PYTHON = str(ROOT / ".venv-bench" / "bin" / "python")
+RESULTS = ROOT / "benchmarks" / "results"
 
 # name -> (batch, description); small sizes so the CPU run takes a few minutes.
 MODELS = {
@@ -103,8 +118,88 @@ def worker(name: str, device: str) -> dict:
     return result
 
 
+def resimulated(tag_dir: Path, record: dict) -> dict[str, int]:
+    """Each plan line's peak scored again by the simulator on the graph run.py profiled (empty
+    when run.py kept no plans for this model)."""
+    plans_file = (ROOT / record["profile"]["plans_file"]) if record.get("profile", {}).get("plans_file") else None
+    if plans_file is None or not plans_file.exists() or not plans_file.with_suffix(".graph.json").exists():
+        return {}
+    from lightning_remat.graph.ir import Graph
+    from lightning_remat.solvers.plan import Plan
+    from lightning_remat.solvers.simulate import simulate
+
+    graph = Graph.load(plans_file.with_suffix(".graph.json"))
+    return {str(i): simulate(graph, Plan.from_json(line)).peak_bytes
+            for i, line in enumerate(plans_file.read_text().splitlines())}
+
+
+def report(results: Path, tags: list[str] | None = None) -> int:
+    """Print every measured plan's predicted against measured peak and extra time, per tag,
+    and the worst errors; 1 when a target is missed or nothing was found, else 0."""
+    from benchmarks.render import (
+        EXTRA_TARGET_POINTS,
+        PEAK_TARGET_PCT,
+        load,
+        measured_plans,
+        prediction_errors,
+        worst_predictions,
+    )
+
+    mib = 2**20
+    status, found = 0, False
+    dirs = [results / t for t in tags] if tags else sorted(d for d in results.iterdir() if d.is_dir())
+    for tag_dir in dirs:
+        records = load(tag_dir) if tag_dir.is_dir() else []
+        if not records:
+            print(f"{tag_dir.name}: no results (run benchmarks/run.py)")
+            continue
+        first = records[0]
+        print(f"== {tag_dir.name}: {first['machine']}, torch {first['torch']}, {first['date']}, "
+              f"commit {first['commit']}")
+        header = (f"{'model':<12} {'plan':<58} {'peak MiB':>9} {'pred.':>8} {'error':>7} "
+                  f"{'extra':>6} {'pred.':>6} {'error':>8}")
+        print(header)
+        print("-" * len(header))
+        for record in records:
+            again = resimulated(tag_dir, record)
+            for label, row in measured_plans(record):
+                err = prediction_errors(row)
+                if err is None:
+                    continue
+                found = True
+                line = (f"{record['model']:<12} {label[:58]:<58} {row['peak_bytes'] / mib:>9.1f} "
+                        f"{row['predicted_peak_bytes'] / mib:>8.1f} {err['peak_error_pct']:>+6.1f}% "
+                        f"{err['measured_extra_pct']:>+5.0f}% {err['predicted_extra_pct']:>+5.0f}% "
+                        f"{err['extra_error_points']:>+5.0f} pts")
+                simulated = again.get(str(row.get("plan_line")))
+                if simulated is not None and simulated != row["predicted_peak_bytes"]:
+                    line += f"  (the simulator now says {simulated / mib:.1f} MiB)"
+                print(line)
+        worst = worst_predictions(records)
+        if worst:
+            m, label, _, e = worst["worst_peak"]
+            m2, label2, _, e2 = worst["worst_extra"]
+            print(f"{worst['plans']} plans: peak within {PEAK_TARGET_PCT:.0f}% for {worst['peak_within']}, "
+                  f"extra time within {EXTRA_TARGET_POINTS:.0f} points for {worst['extra_within']}")
+            print(f"worst peak error: {e['peak_error_pct']:+.1f}% ({m}, {label})")
+            print(f"worst extra-time error: {e2['extra_error_points']:+.0f} points ({m2}, {label2}: "
+                  f"predicted {e2['predicted_extra_pct']:+.0f}%, measured {e2['measured_extra_pct']:+.0f}%)")
+            if worst["peak_within"] < worst["plans"] or worst["extra_within"] < worst["plans"]:
+                status = 1
+    if not found:
+        print("no measured plans with predictions found")
+        return 1
+    return status
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tag", action="append", help="a results folder under benchmarks/results "
+                        "(repeatable; default: every one)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=argparse.SUPPRESS)
+    parser.add_argument("--measure", action="store_true",
+                        help="measure a plain and a sqrt(n) plan on the small models instead")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--python", default=VISION_PYTHON if Path(VISION_PYTHON).exists()
@@ -114,6 +209,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.device)))
         return
+    if not args.measure:
+        sys.exit(report(args.results, args.tag))
 
     # This checkout is importable in the workers (after any PYTHONPATH the caller set).
     path = [p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p]

@@ -2,9 +2,18 @@
 
 Every results folder (a tag: ``cpu-quick``, ``cpu``, ``cuda``, ...) becomes one section:
 its machine, torch version, date and commit, a plot of peak against time per model (one
-curve per method), and per model the measured table, the largest batch each method reaches
-within the plain step's peak, and each solver's prediction on the profiled graph. Every row
+curve per method), the equal-memory findings and the worst prediction errors over its
+models, and per model the measured table, the largest batch each method reaches within the
+plain step's peak, the equal-memory comparison, every measured plan's predicted against
+measured peak and extra time, and each solver's prediction on the profiled graph. Every row
 names the commit it was measured at. ``benchmarks/run.py`` calls this at its end.
+
+Each section is one function returning its lines, listed in ``TAG_SECTIONS`` (per tag),
+``MODEL_SECTIONS`` (per model) or ``DOCUMENT_SECTIONS`` (after every tag, for benchmarks
+with results of their own): a new table is a new function in one of those lists.
+
+Length: every section reads the same results records and shares the labels and the
+prediction-error definitions (``benchmarks/prediction.py`` imports them from here).
 
     python benchmarks/render.py
 """
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +47,17 @@ one step from the same weights on the same batch.
 Reading the tables: *peak/plain* is the ratio to the plain row of the same run; *time/plain*
 the ratio to plain steps alternated with the method's in its own process. *grad diff* is `max|g - g_plain| / max|g_plain|` (0 means bit-identical); *BN diff* the
 largest difference in BatchNorm running statistics. Our budgets are fractions of the plain
-step's profiled peak; an infeasible cell gives the smallest budget the solver reaches. The
+step's profiled peak; an infeasible cell gives the smallest budget the solver reaches. Our
+plans are all made on one profile of the model per run and each distinct plan is measured
+once, in a fresh process (a cell naming another's plan reuses that measurement). The
 solver tables give each solver's *predicted* peak (% of plain) and extra time (% of the
 profiled step) and its own runtime, on the graph profiled in that run.
+
+*At equal memory*: each peer configuration's measured peak is the budget of each of our
+solvers, measured in the same run; the verdict compares time/plain. *Predicted against
+measured*: the peak error is (predicted - measured) / measured; the extra time measured is
+time/plain - 1, predicted the plan's predicted extra seconds over the profiled step, and its
+error is their difference in percentage points (targets: 3% and 5 points).
 """
 
 
@@ -69,6 +87,227 @@ def family(method: str) -> str:
     return {"checkpoint_sequential": "checkpoint_sequential", "compile": "torch.compile"}.get(kind, kind)
 
 
+def time_ratio(row: dict[str, Any], plain: dict[str, Any]) -> float:
+    """A measured row's step time over the plain steps alternated with it in its process."""
+    return row["step_seconds"] / row.get("plain_step_seconds", plain.get("step_seconds", 0) or 1)
+
+
+# ---- predicted against measured ------------------------------------------------------------
+def prediction_errors(row: dict[str, Any]) -> dict[str, float] | None:
+    """For a measured plan: its peak error (% of the measured peak) and its extra time,
+    predicted (% of the profiled step) against measured (``time/plain - 1``, in %), and the
+    difference in percentage points; None for a row without both."""
+    needed = ("peak_bytes", "predicted_peak_bytes", "step_seconds", "plain_step_seconds",
+              "predicted_extra_seconds", "profiled_step_seconds")
+    if any(row.get(k) is None for k in needed) or not row["peak_bytes"] or not row["profiled_step_seconds"]:
+        return None
+    predicted_extra = 100 * row["predicted_extra_seconds"] / row["profiled_step_seconds"]
+    measured_extra = 100 * (row["step_seconds"] / row["plain_step_seconds"] - 1)
+    return {"peak_error_pct": 100 * (row["predicted_peak_bytes"] - row["peak_bytes"]) / row["peak_bytes"],
+            "predicted_extra_pct": predicted_extra, "measured_extra_pct": measured_extra,
+            "extra_error_points": predicted_extra - measured_extra}
+
+
+PEAK_TARGET_PCT = 3.0
+"""Predicted peak within 3% of the measured peak (docs/design.md section 4.7)."""
+EXTRA_TARGET_POINTS = 5.0
+"""Predicted extra time within 5 percentage points of the measured extra time."""
+
+
+def measured_plans(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, row) of every plan of ours measured for this model, each measurement once: the
+    rows of the measured table, the equal-memory cells and the largest-batch probes (a cell
+    that reuses another's measurement, ``same_plan_as``, is left out)."""
+    out = []
+    for method, row in record["rows"].items():
+        if "predicted_peak_bytes" in row and "same_plan_as" not in row:
+            out.append((method_label(method), row))
+    for peer, cells in (record.get("equal_memory") or {}).items():
+        for solver, row in cells.items():
+            if "predicted_peak_bytes" in row and "same_plan_as" not in row:
+                out.append((f"remat {solver} at the peak of {method_label(peer)}", row))
+    for method, entry in (record.get("largest_batch") or {}).items():
+        if isinstance(entry, dict):
+            for batch, row in (entry.get("rows") or {}).items():
+                if isinstance(row, dict) and "predicted_peak_bytes" in row:
+                    out.append((f"{method_label(method)}, batch {batch}, budget = cap", row))
+    return out
+
+
+def prediction_table(record: dict[str, Any]) -> list[str]:
+    """Predicted against measured peak and extra time of every plan measured for the model."""
+    plans = [(label, row, prediction_errors(row)) for label, row in measured_plans(record)]
+    plans = [p for p in plans if p[2] is not None]
+    if not plans:
+        return []
+    lines = [f"Predicted against measured, every plan of ours measured for this model (peak error: "
+             f"% of the measured peak, target {PEAK_TARGET_PCT:.0f}%; extra time: predicted % of the "
+             f"profiled step against measured time/plain - 1, error in points, target "
+             f"{EXTRA_TARGET_POINTS:.0f}). Commit {record['commit']}.", "",
+             "| plan | solver | peak MiB measured | predicted | error | extra time measured | "
+             "predicted | error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for label, row, err in plans:
+        assert err is not None
+        lines.append(f"| {label} | {row.get('solver', '')} | {mib(row['peak_bytes'])} | "
+                     f"{mib(row['predicted_peak_bytes'])} | {err['peak_error_pct']:+.1f}% | "
+                     f"{err['measured_extra_pct']:+.0f}% | {err['predicted_extra_pct']:+.0f}% | "
+                     f"{err['extra_error_points']:+.0f} pts |")
+    return lines
+
+
+def worst_predictions(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The plans of ``records`` with the largest peak and extra-time errors (by magnitude),
+    and how many plans are within each target."""
+    plans = [(record["model"], label, row, prediction_errors(row))
+             for record in records for label, row in measured_plans(record)]
+    scored = [(m, label, row, e) for m, label, row, e in plans if e is not None]
+    if not scored:
+        return {}
+    peak = max(scored, key=lambda p: abs(p[3]["peak_error_pct"]))
+    extra = max(scored, key=lambda p: abs(p[3]["extra_error_points"]))
+    return {"plans": len(scored),
+            "peak_within": sum(abs(p[3]["peak_error_pct"]) <= PEAK_TARGET_PCT for p in scored),
+            "extra_within": sum(abs(p[3]["extra_error_points"]) <= EXTRA_TARGET_POINTS for p in scored),
+            "worst_peak": peak, "worst_extra": extra}
+
+
+def prediction_summary(tag: str, records: list[dict[str, Any]]) -> list[str]:
+    worst = worst_predictions(records)
+    if not worst:
+        return []
+    m, label, _, e = worst["worst_peak"]
+    m2, label2, _, e2 = worst["worst_extra"]
+    return [f"### {tag} predicted against measured", "",
+            f"{worst['plans']} plans measured: peak within {PEAK_TARGET_PCT:.0f}% for "
+            f"{worst['peak_within']}, extra time within {EXTRA_TARGET_POINTS:.0f} points for "
+            f"{worst['extra_within']}. Worst peak error: {e['peak_error_pct']:+.1f}% ({m}, {label}); "
+            f"worst extra-time error: {e2['extra_error_points']:+.0f} points ({m2}, {label2}: predicted "
+            f"{e2['predicted_extra_pct']:+.0f}%, measured {e2['measured_extra_pct']:+.0f}%). Per plan: "
+            "each model's prediction table; `python benchmarks/prediction.py` prints them all."]
+
+
+# ---- the equal-memory comparison -----------------------------------------------------------
+def verdict(ours: dict[str, Any], peer: dict[str, Any], plain: dict[str, Any]) -> str:
+    """Ours against a peer at the peer's measured peak: faster or slower by how much (step
+    time over plain, each from its own process), and by how much ours is above the peer's
+    peak where it is."""
+    if "peak_bytes" not in ours:
+        text = ours.get("skipped") or ours.get("error", "not measured")
+        if ours.get("min_budget_bytes"):
+            text += (f": smallest budget {mib(ours['min_budget_bytes'])} MiB, "
+                     f"{100 * (ours['min_budget_bytes'] / peer['peak_bytes'] - 1):+.0f}% of the peer's peak")
+        return text
+    change = time_ratio(ours, plain) / time_ratio(peer, plain) - 1
+    text = f"{'faster' if change < 0 else 'slower'} by {abs(100 * change):.0f}%"
+    above = ours["peak_bytes"] / peer["peak_bytes"] - 1
+    if above > 0 or above < -0.05:  # over the peer's peak at all, or well under it
+        text += f", peak {abs(100 * above):.1f}% {'above' if above > 0 else 'below'} the peer's"
+    return text
+
+
+def equal_memory_table(record: dict[str, Any]) -> list[str]:
+    """Each peer configuration, and each of our solvers given that peer's measured peak as
+    its budget, measured in the same run."""
+    equal = record.get("equal_memory") or {}
+    rows = record["rows"]
+    plain = rows.get("plain", {})
+    if not equal or "peak_bytes" not in plain:
+        return []
+    lines = ["At equal memory: each peer, and each solver of ours with the peer's measured peak as its "
+             "budget (time/plain of each from its own process; the verdict compares the two). "
+             f"Commit {record['commit']}.", "",
+             "| peer | peer peak MiB | peak/plain | time/plain | ours | peak MiB | peak/plain | "
+             "time/plain | verdict |", "|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for peer, cells in equal.items():
+        peer_row = rows.get(peer, {})
+        if "peak_bytes" not in peer_row:
+            continue
+        first = True
+        for solver, cell in cells.items():
+            head = (f"| {method_label(peer)} | {mib(peer_row['peak_bytes'])} | "
+                    f"{peer_row['peak_bytes'] / plain['peak_bytes']:.2f} | "
+                    f"{time_ratio(peer_row, plain):.2f} |") if first else "| | | | |"
+            first = False
+            name = solver + (f" ({cell['solver']})" if cell.get("solver", solver) != solver else "")
+            if "same_plan_as" in cell:
+                name += ", " + cell["same_plan_as"].replace("|", ": ") + "'s plan"
+            if "peak_bytes" in cell:
+                ours = (f" {name} | {mib(cell['peak_bytes'])} | {cell['peak_bytes'] / plain['peak_bytes']:.2f} | "
+                        f"{time_ratio(cell, plain):.2f} |")
+            else:
+                ours = f" {name} | - | - | - |"
+            if eager_reading(peer, peer_row, plain, record.get("device", "")):
+                lines.append(f"{head}{ours} not comparable: the peer's peak is its eager step's |")
+            else:
+                lines.append(f"{head}{ours} {verdict(cell, peer_row, plain)} |")
+    return lines
+
+
+def equal_memory_findings(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The comparison's targets, checked: where ``auto`` is slower than a peer at the peer's
+    peak (or cannot reach it), and where ``kusumoto-tc`` is slower than another solver at the
+    same budget. Each entry names the model, the configuration and by how much."""
+    auto_misses, auto_wins, tc_misses, not_comparable = [], [], [], []
+    for record in records:
+        rows, plain = record["rows"], record["rows"].get("plain", {})
+        for peer, cells in (record.get("equal_memory") or {}).items():
+            peer_row = rows.get(peer, {})
+            if "peak_bytes" not in peer_row or "peak_bytes" not in plain:
+                continue
+            where = f"{record['model']} at the peak of {method_label(peer)}"
+            if eager_reading(peer, peer_row, plain, record.get("device", "")):
+                not_comparable.append(where)
+                continue
+            auto = cells.get("auto", {})
+            (auto_wins if "peak_bytes" in auto and time_ratio(auto, plain) <= time_ratio(peer_row, plain)
+             else auto_misses).append(f"{where}: {verdict(auto, peer_row, plain)}")
+            tc = cells.get("kusumoto-tc", {})
+            if "peak_bytes" not in tc:
+                continue
+            for solver, cell in cells.items():
+                if solver in ("auto", "kusumoto-tc") or "peak_bytes" not in cell:
+                    continue
+                change = time_ratio(tc, plain) / time_ratio(cell, plain) - 1
+                if change > 0:
+                    tc_misses.append(f"{where}: kusumoto-tc {100 * change:.0f}% slower than {solver}")
+    return {"auto_wins": auto_wins, "auto_misses": auto_misses, "tc_misses": tc_misses,
+            "not_comparable": not_comparable}
+
+
+def equal_memory_summary(tag: str, records: list[dict[str, Any]]) -> list[str]:
+    found = equal_memory_findings(records)
+    if not found["auto_wins"] and not found["auto_misses"] and not found["not_comparable"]:
+        return []
+    total = len(found["auto_wins"]) + len(found["auto_misses"])
+    lines = [f"### {tag} at equal memory", "",
+             f"`remat auto` at a peer's measured peak is at most the peer's time in "
+             f"{len(found['auto_wins'])} of {total} configurations."]
+    if found["auto_misses"]:
+        lines += ["Where not:", ""] + [f"- {m}" for m in found["auto_misses"]]
+    lines += [""]
+    if found["not_comparable"]:
+        lines += ["Not compared (the peer's CPU peak is its eager step's, see its row): "
+                  + "; ".join(found["not_comparable"]) + ".", ""]
+    if found["tc_misses"]:
+        lines += ["`kusumoto-tc` slower than another solver at the same budget:", ""]
+        lines += [f"- {m}" for m in found["tc_misses"]]
+    else:
+        lines.append("`kusumoto-tc` is nowhere slower than another solver that ran at the same budget.")
+    return lines
+
+
+EAGER_READING = ("peak byte-equal to plain's: the CPU meter (a TorchDispatchMode) saw this step run "
+                 "eagerly, not compiled, so this peak is not torch.compile's")
+
+
+def eager_reading(method: str, row: dict[str, Any], plain: dict[str, Any], device: str) -> bool:
+    """A torch.compile row whose CPU peak equals the plain step's to the byte: measured with
+    the CPU meter's dispatch mode active, the step ran eagerly, so the reading is not the
+    compiled step's (its time, measured without the meter, is)."""
+    return (device == "cpu" and method.startswith("compile:") and "peak_bytes" in row
+            and row["peak_bytes"] == plain.get("peak_bytes"))
+
+
 def note(row: dict[str, Any], plain_predicted: int | None) -> str:
     if "skipped" in row:
         text = row["skipped"]
@@ -90,6 +329,8 @@ def note(row: dict[str, Any], plain_predicted: int | None) -> str:
         if row.get("predicted_peak_bytes") and row.get("profiled_step_seconds"):
             parts.append(f"predicted {mib(row['predicted_peak_bytes'])} MiB, "
                          f"+{100 * row['predicted_extra_seconds'] / row['profiled_step_seconds']:.0f}% time")
+        if row.get("same_plan_as"):
+            parts.append(f"the plan of {row['same_plan_as']}, measured once")
         return ", ".join(parts)
     return ""
 
@@ -108,7 +349,9 @@ def measured_table(record: dict[str, Any]) -> list[str]:
                 f"{row['peak_bytes'] / plain['peak_bytes']:.2f} | "
                 f"{row['step_seconds'] / row.get('plain_step_seconds', plain['step_seconds']):.2f} | "
                 f"{row['grad_rel_diff']:.1e} | "
-                f"{row['norm_diff']:.1e} | {note(row, plain_predicted)} | {commit} |")
+                f"{row['norm_diff']:.1e} | "
+                f"{EAGER_READING if eager_reading(method, row, plain, record.get('device', '')) else note(row, plain_predicted)}"
+                f" | {commit} |")
         else:
             lines.append(f"| {method_label(method)} | - | - | - | - | - | {note(row, plain_predicted)} | {commit} |")
     return lines
@@ -143,6 +386,9 @@ def batch_table(record: dict[str, Any]) -> list[str]:
 
 
 def _predictions(record: dict[str, Any]) -> dict[str, Any] | None:
+    profiled = (record.get("profile") or {}).get("predictions")
+    if profiled:
+        return profiled
     return next((row["predictions"] for row in record["rows"].values() if "predictions" in row), None)
 
 
@@ -252,34 +498,52 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
         if not records:
             continue
         first = records[0]
+        subset = (" (the `--quick` subset)" if first.get("quick") else
+                  " (`--set equal-memory`)" if first.get("set") == "equal-memory" else "")
         out += [f"## {tag_dir.name}", "",
                 f"{first['machine']}, torch {first['torch']}, Python {first.get('python', '?')}, "
-                f"measured {first['date']} at commit {first['commit']}"
-                + (" (the `--quick` subset)" if first.get("quick") else "") + ".", ""]
+                f"measured {first['date']} at commit {first['commit']}{subset}.", ""]
         path = plot(tag_dir.name, records, plots)
         if path is not None:
             out += [f"![{tag_dir.name}: peak against step time]({path.relative_to(output.parent).as_posix()})", ""]
+        for section in TAG_SECTIONS:
+            lines = section(tag_dir.name, records)
+            if lines:
+                out += lines + [""]
         for record in records:
             unit = "tokens" if record["model"] == "gpt" else "px"
             out += [f"### {tag_dir.name} {record['model']}", "",
                     f"Batch {record['batch']}, {record['size']} {unit}; {record['machine']}, "
                     f"torch {record['torch']}, {record['date']}.", ""]
-            out += measured_table(record) + [""]
-            table = batch_table(record)
-            if table:
-                out += table + [""]
-            table = solver_table(record)
-            if table:
-                out += table + [""]
-    out += distributed_section()
+            for model_section in MODEL_SECTIONS:
+                lines = model_section(record)
+                if lines:
+                    out += lines + [""]
+    for document_section in DOCUMENT_SECTIONS:
+        lines = document_section(results)
+        if lines:
+            out += lines + [""]
     return "\n".join(out).rstrip() + "\n"
 
 
-def distributed_section() -> list[str]:
+# The sections of RESULTS.md, in order; each returns its lines (none: the section is left out).
+# Per results folder (a tag), after its plot: f(tag, records).
+TAG_SECTIONS: list[Callable[[str, list[dict[str, Any]]], list[str]]] = [
+    equal_memory_summary, prediction_summary,
+]
+# Per model of a tag: f(record).
+MODEL_SECTIONS: list[Callable[[dict[str, Any]], list[str]]] = [
+    measured_table, batch_table, equal_memory_table, prediction_table, solver_table,
+]
+# After every tag, from results of their own (other benchmarks' tables): f(results folder).
+def distributed_section(results: Path) -> list[str]:
     """The rows ``benchmarks/distributed.py`` measured (its own results folder)."""
     from benchmarks.distributed import render_section
 
-    return render_section()
+    return render_section(results.parent / "results-distributed")
+
+
+DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [distributed_section]
 
 
 README = ROOT / "README.md"
@@ -319,6 +583,20 @@ def summary(results: Path = RESULTS) -> str:
                 time_ratio = row["step_seconds"] / row.get("plain_step_seconds", plain["step_seconds"])
                 lines.append(f"| {link} | {method_label(method)} | {row['peak_bytes'] / plain['peak_bytes']:.2f} | "
                              f"{time_ratio:.2f} | {row['grad_rel_diff']:.0e} | {row['norm_diff']:.0e} | {largest} |")
+        found = equal_memory_findings(records)
+        total = len(found["auto_wins"]) + len(found["auto_misses"])
+        if total:
+            lines += ["", f"At equal memory (each peer's measured peak as our budget): `remat auto` takes at "
+                      f"most the peer's time in {len(found['auto_wins'])} of {total} configurations "
+                      f"([details](benchmarks/RESULTS.md#{tag_dir.name}-at-equal-memory))."]
+        worst = worst_predictions(records)
+        if worst:
+            m, label, _, e = worst["worst_peak"]
+            m2, label2, _, e2 = worst["worst_extra"]
+            lines += ["", f"Predicted against measured, {worst['plans']} plans: peak within 3% for "
+                      f"{worst['peak_within']}, extra time within 5 points for {worst['extra_within']}; "
+                      f"worst peak error {e['peak_error_pct']:+.1f}% ({m}, {label}), worst extra-time "
+                      f"error {e2['extra_error_points']:+.0f} points ({m2}, {label2})."]
         lines += [""]
         if tag_dir.name == "cuda":
             break  # the GPU figures are the ones a user's choice rests on

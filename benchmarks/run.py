@@ -4,11 +4,22 @@ For each model and method: the measured peak of one training step, its time, how
 gradients and BatchNorm statistics are from the plain model's, and the largest batch whose
 measured peak stays within the plain step's peak. Methods: plain training;
 ``torch.utils.checkpoint.checkpoint_sequential`` at each segment count (where the model has
-a sequential form); ``torch.compile`` with ``activation_memory_budget`` 0.5 and 0.25; and
-lightning-remat's ``auto``, time-centric (``kusumoto-tc``), memory-centric (``kusumoto-mc``)
-and offloading (``dynprog``, CUDA only) plans at budgets of 25/50/75% of the plain peak;
-beside them each solver's predicted peak, predicted extra time and own runtime on the same
-profiled graph.
+a sequential form: the ResNets, VGG, DenseNet, the GPT); ``torch.compile`` with
+``activation_memory_budget`` 0.5 and 0.25; and lightning-remat's ``auto``, time-centric
+(``kusumoto-tc``), memory-centric (``kusumoto-mc``) and offloading (``dynprog``, CUDA only)
+plans at budgets of 25/50/75% of the plain peak; beside them each solver's predicted peak,
+predicted extra time and own runtime on the same profiled graph.
+
+**At equal memory** (ResNet-50, DenseNet-121, the U-Net, the GPT): each peer configuration's
+measured peak becomes the budget of ``auto``, ``kusumoto-tc``, ``kusumoto-mc``, ``feng``,
+``hong-linear`` and ``chen``, measured in the same run and harness.
+
+Our plans: the model is profiled once per run (a fresh process, ``plan_all``), every plan of
+the run (each solver at each budget) is made on that profile as ``remat()`` makes it, and
+each distinct plan is measured once, in a fresh process, through ``apply_plan``; the graph
+and the plans are kept in ``benchmarks/results/<tag>/plans/`` (``lightning-remat simulate``
+scores them again). Every measured plan's predicted peak and extra time sit beside the
+measured ones (``benchmarks/prediction.py`` prints them all and the worst errors).
 
 How it is measured (the same for every method):
 
@@ -41,6 +52,10 @@ date and commit of the run, and ``benchmarks/render.py`` turns every results fil
 The script refuses to run from a tree with uncommitted changes (the commit it records would
 not be what was measured) unless ``--allow-dirty``; such rows name the commit plus "+dirty".
 torchvision models need the ``vision`` extra (``pip install -e .[vision]``).
+
+Length: the workers (one measurement, one profile with its plans) and the orchestration that
+spawns them share the method names, the sizes and the sets; one file keeps ``--worker`` a
+call of the same script.
 """
 
 from __future__ import annotations
@@ -77,9 +92,11 @@ BATCH_GRID = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)
 SIZE_TOLERANCE = 1.02  # a step within 2% of the cap fits: the meter's run-to-run spread
 
 # Base sizes per device: (batch, image side or sequence length). The CPU sizes keep a step
-# around a second on 2 cores; the CUDA ones are the usual training sizes.
+# around a second on 2 cores (ResNet-50's about four: at batch 16 and 160 px its activations,
+# not its parameter gradients, dominate the peak, as the equal-memory comparison needs); the
+# CUDA ones are the usual training sizes.
 SIZES: dict[str, dict[str, tuple[int, int]]] = {
-    "cpu": {"resnet50": (8, 112), "resnet101": (8, 112), "resnet152": (8, 112), "vgg19": (8, 96),
+    "cpu": {"resnet50": (16, 160), "resnet101": (8, 112), "resnet152": (8, 112), "vgg19": (8, 96),
             "densenet121": (8, 112), "unet": (8, 128), "gpt": (8, 256)},
     "cuda": {"resnet50": (64, 224), "resnet101": (64, 224), "resnet152": (32, 224),
              "vgg19": (32, 224), "densenet121": (64, 224), "unet": (16, 256), "gpt": (8, 1024)},
@@ -94,6 +111,8 @@ UNET_WIDTH = {"cpu": 16, "cuda": 64}
 # one budget; "auto" is the time-centric DP wherever that fits, so no separate kusumoto-tc rows.
 QUICK = {
     "models": ["resnet50", "unet", "gpt"],
+    "sizes": {"resnet50": (8, 112)},  # a quarter of the full set's step, to stay under 20 minutes
+    "equal_memory_solvers": ["auto", "kusumoto-tc", "kusumoto-mc"],
     "segments": [2, 4],
     "compile": ["0.5"],
     "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": [], "kusumoto-mc": ["75%"],
@@ -102,6 +121,19 @@ QUICK = {
     "repeats": 3,
 }
 NO_OFFLOAD = "offloading needs a GPU (on the CPU, host memory is device memory)"
+
+# The equal-memory comparison: at each peer configuration's measured peak, each of these
+# solvers with that peak as its budget, planned on the one profile of the model's "ours" part.
+EQUAL_MEMORY_SOLVERS = ["auto", "kusumoto-tc", "kusumoto-mc", "feng", "hong-linear", "chen"]
+# --set equal-memory: the models of the comparison, every peer configuration, every solver
+# at every peer's peak and at the fractional budgets, no largest-batch search (see main's
+# --set help for what it costs).
+EQUAL_MEMORY_SET = {
+    "models": ["resnet50", "densenet121", "unet", "gpt"],
+    "solver_budgets": {"auto": BUDGETS, "kusumoto-tc": [], "kusumoto-mc": [], "dynprog": []},
+    "largest_batch": [],
+    "repeats": 3,
+}
 
 
 # ---- one measurement (a fresh process) -------------------------------------------------------
@@ -116,7 +148,7 @@ def build(model_name: str, device_kind: str, batch: int, size: int):
 
         shape = GPT_SHAPE[device_kind]
         model = GPT(context=size, **shape)
-        return model, torch.randint(0, shape["vocab"], (batch, size)), None
+        return model, torch.randint(0, shape["vocab"], (batch, size)), model.sequential()
     if model_name == "unet":
         from benchmarks.models import UNet
 
@@ -130,7 +162,12 @@ def build(model_name: str, device_kind: str, batch: int, size: int):
         sequential = nn.Sequential(*children[:-1], nn.Flatten(1), children[-1])
     elif model_name.startswith("vgg"):
         sequential = nn.Sequential(model.features, model.avgpool, nn.Flatten(1), *model.classifier)
+    elif model_name.startswith("densenet"):
+        # torchvision's DenseNet.forward: features, ReLU, global average pool, classifier.
+        sequential = nn.Sequential(*model.features, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(1),
+                                   model.classifier)
     return model, torch.randn(batch, 3, size, size), sequential
+
 
 
 def _norm_buffers(model) -> dict[str, Any]:
@@ -151,12 +188,13 @@ def _reset_norms(model) -> None:
 
 
 def measure(model_name: str, method: str, device_name: str, batch: int, size: int,
-            repeats: int, cap_bytes: int | None = None) -> dict[str, Any]:
+            repeats: int, cap_bytes: int | None = None, plans_file: str | None = None) -> dict[str, Any]:
     """One method on one model: peak, time and agreement with plain (see the module doc).
 
     ``method``: ``plain``, ``checkpoint_sequential:SEGMENTS``, ``compile:BUDGET``,
-    or ``remat:SOLVER:BUDGET``; ``cap_bytes`` replaces a remat budget (the largest-batch
-    search). The ``PREDICTIONS_AT`` method also gives every solver's prediction on the graph
+    ``remat:SOLVER:BUDGET`` (``remat()``: profile, solve, run), or ``plan:INDEX`` (the
+    INDEX-th line of ``plans_file``, written by :func:`plan_all`, run through
+    ``apply_plan``); ``cap_bytes`` replaces a remat budget (the largest-batch search). The ``PREDICTIONS_AT`` method also gives every solver's prediction on the graph
     it profiled (``predictions``)."""
     import torch
 
@@ -184,6 +222,8 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         from torch.utils.checkpoint import checkpoint_sequential
 
         segments = int(method.split(":")[1])
+        if segments > len(sequential):
+            return {"skipped": f"{len(sequential)} layers, fewer than {segments} segments"}
         seq = sequential.to(device)
 
         def run(inp):  # noqa: F811
@@ -218,6 +258,22 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
                    predicted_peak_bytes=plan.predicted_peak_bytes,
                    predicted_extra_seconds=plan.predicted_extra_seconds,
                    profiled_step_seconds=run.graph.meta.step_seconds)
+    elif method.startswith("plan:"):
+        # A plan made by plan_all on this model's profile, run by the package's executor.
+        from lightning_remat import Plan, apply_plan
+        from lightning_remat.device import preserved_state
+        from lightning_remat.graph.ir import Graph
+        from lightning_remat.graph.trace import trace_module
+
+        if plans_file is None:
+            raise ValueError("a plan: method needs the plans file")
+        plan = Plan.from_json(Path(plans_file).read_text().splitlines()[int(method.split(":")[1])])
+        with preserved_state(model, [device]):  # tracing runs the forward: BatchNorm untouched
+            traced = trace_module(model, x)
+        profiled = Graph.load(graph_path(Path(plans_file)))
+        if traced.graph.graph_hash() != profiled.graph_hash():
+            return {"error": "the traced graph differs from the profiled one the plan was made on"}
+        run = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
     elif method != "plain":
         raise ValueError(f"unknown method {method!r}")
 
@@ -266,6 +322,80 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     if method == PREDICTIONS_AT and cap_bytes is None:
         row["predictions"] = predictions(run.graph, device, BUDGETS)
     return row
+
+
+def graph_path(plans_file: Path) -> Path:
+    """The profiled graph beside a plans file (``<model>.jsonl`` -> ``<model>.graph.json``)."""
+    return plans_file.with_suffix(".graph.json")
+
+
+def plan_all(model_name: str, device_name: str, batch: int, size: int,
+             requests: list[list[Any]], plans_file: Path) -> dict[str, Any]:
+    """One profile of the model, and on it a plan for each ``[key, solver, budget]`` request
+    (budget: ``"75%"`` of the profiled plain peak, or bytes), chosen as ``remat()`` chooses
+    (``Planner._plan_locally``: the budget in bytes, ``solve`` with the device's solver
+    options). Writes the graph and each distinct plan (one per line) beside ``plans_file``,
+    so ``lightning-remat simulate`` can score them again; returns per key the plan's line,
+    or why there is none, and every solver's prediction on the graph (the solver table)."""
+    import torch
+
+    from lightning_remat import RematInfeasibleError
+    from lightning_remat.planner import PlanSettings, check_solver_for_device, solver_options
+    from lightning_remat.solvers import solve
+
+    device = torch.device(device_name)
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    model, x, _ = build(model_name, kind, batch, size)
+    model, x = model.to(device).train(), x.to(device)
+    start = time.perf_counter()
+    graph = _plain_graph(model, x)
+    profile_seconds = time.perf_counter() - start
+    step = graph.meta.step_seconds or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
+    lines: dict[str, int] = {}
+    cells: dict[str, dict[str, Any]] = {}
+    for key, solver, budget in requests:
+        try:
+            check_solver_for_device(solver, device)
+        except ValueError:
+            cells[key] = {"skipped": NO_OFFLOAD}
+            continue
+        budget_bytes = PlanSettings(budget, solver).budget_bytes(graph, device)
+        start = time.perf_counter()
+        try:
+            plan = solve(graph, budget_bytes, solver, **solver_options(solver, device))
+        except RematInfeasibleError as exc:
+            cells[key] = {"skipped": "infeasible", "budget_bytes": budget_bytes,
+                          "min_budget_bytes": exc.min_budget_bytes}
+            continue
+        except Exception as exc:  # noqa: BLE001 - one solver's failure is its cell's, not the run's
+            cells[key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}", "budget_bytes": budget_bytes}
+            continue
+        line = lines.setdefault(json.dumps(plan.to_dict()["stages"]), len(lines))
+        cells[key] = {"plan_line": line, "solver": plan.solver, "recomputed": plan.count("recompute"),
+                      "offloaded": plan.count("offload"), "budget_bytes": budget_bytes,
+                      "predicted_peak_bytes": plan.predicted_peak_bytes,
+                      "predicted_extra_seconds": plan.predicted_extra_seconds,
+                      "profiled_step_seconds": step, "solver_seconds": time.perf_counter() - start,
+                      "_plan": plan.to_json()}
+    # One line per distinct set of stages (a plan chosen at several budgets is measured once).
+    texts: dict[int, str] = {}
+    for cell in cells.values():
+        if "plan_line" in cell:
+            texts.setdefault(cell["plan_line"], cell.pop("_plan"))
+    plans_file.parent.mkdir(parents=True, exist_ok=True)
+    graph.save(graph_path(plans_file))
+    plans_file.write_text("".join(texts[i] + "\n" for i in range(len(texts))))
+    return {"vertices": len(graph), "graph_hash": graph.graph_hash(), "profile_seconds": profile_seconds,
+            "plain_predicted_bytes": _plain_peak(graph), "profiled_step_seconds": step,
+            "plans_file": plans_file.relative_to(ROOT).as_posix() if plans_file.is_relative_to(ROOT)
+            else str(plans_file), "cells": cells,
+            "predictions": predictions(graph, device, BUDGETS)}
+
+
+def _plain_peak(graph) -> int:
+    from lightning_remat.planner import plain_peak_bytes
+
+    return plain_peak_bytes(graph)
 
 
 def _plain_graph(model, x):
@@ -340,13 +470,18 @@ def largest_batch(fits_at: Callable[[int], bool], base: int, start: int | None =
 
 # ---- orchestration ---------------------------------------------------------------------------
 def spawn(args: argparse.Namespace, model: str, method: str, batch: int, size: int,
-          cap_bytes: int | None = None) -> dict[str, Any]:
-    """``measure`` in a fresh process."""
+          cap_bytes: int | None = None, plans_file: Path | None = None,
+          requests: list[list[Any]] | None = None) -> dict[str, Any]:
+    """``measure`` in a fresh process (``plan_all`` when ``requests`` are given)."""
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--method", method,
            "--device", args.device, "--batch", str(batch), "--size", str(size),
            "--repeats", str(args.repeats)]
     if cap_bytes is not None:
         cmd += ["--cap", str(cap_bytes)]
+    if plans_file is not None:
+        cmd += ["--plans-file", str(plans_file)]
+    if requests is not None:
+        cmd += ["--requests", json.dumps(requests)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -396,28 +531,43 @@ def environment(device: str) -> dict[str, Any]:
 
 def methods_for(model: str, args: argparse.Namespace, has_sequential: bool) -> list[tuple[str, str]]:
     """(part, method) pairs to measure for ``model``."""
-    quick = args.quick
+    chosen = selection(args)
     out: list[tuple[str, str]] = [("peers", "plain")]
     if has_sequential:
-        out += [("peers", f"checkpoint_sequential:{s}") for s in (QUICK["segments"] if quick else SEGMENTS)]
+        out += [("peers", f"checkpoint_sequential:{s}") for s in chosen["segments"]]
     if not args.no_compile:
-        out += [("peers", f"compile:{b}") for b in (QUICK["compile"] if quick else COMPILE_BUDGETS)]
+        out += [("peers", f"compile:{b}") for b in chosen["compile"]]
     for solver in OUR_SOLVERS:
-        for budget in (QUICK["solver_budgets"][solver] if quick else BUDGETS):
+        for budget in chosen["solver_budgets"].get(solver, []):
             out.append(("ours", f"remat:{solver}:{budget}"))
     return out
 
 
+def selection(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--quick`` or ``--set`` selects: models, fractional budgets per solver, which
+    models get the largest-batch search and which solvers the equal-memory comparison."""
+    if args.quick:
+        return {**QUICK, "equal_memory_models": QUICK["models"]}
+    full = {"models": MODELS, "segments": SEGMENTS, "compile": COMPILE_BUDGETS,
+            "solver_budgets": dict.fromkeys(OUR_SOLVERS, BUDGETS), "largest_batch": MODELS,
+            "equal_memory_solvers": EQUAL_MEMORY_SOLVERS,
+            "equal_memory_models": EQUAL_MEMORY_SET["models"], "sizes": {}}
+    if args.set == "equal-memory":
+        full.update(EQUAL_MEMORY_SET)
+    return full
+
+
 def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    batch, size = SIZES[kind][model]
+    chosen = selection(args)
+    batch, size = chosen["sizes"].get(model) if kind == "cpu" and model in chosen["sizes"] else SIZES[kind][model]
     batch = args.batch or batch
     out_path = RESULTS / args.tag / f"{model}.json"
     # Parts of one model measured in separate invocations (gpu.sh) land in one file.
     record = json.loads(out_path.read_text()) if out_path.exists() and args.part != "all" else {}
     record.update(model=model, batch=batch, size=size, **meta)
     rows = record.setdefault("rows", {})
-    has_sequential = model.startswith(("resnet", "vgg"))
+    has_sequential = model.startswith(("resnet", "vgg", "densenet")) or model == "gpt"
     parts = {"peers", "ours", "batch"} if args.part == "all" else {args.part}
 
     def save() -> None:  # after every figure, so a step cut off by a time limit keeps its rows
@@ -425,18 +575,67 @@ def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: C
         out_path.write_text(json.dumps(record, indent=1) + "\n")
 
     for part, method in methods_for(model, args, has_sequential):
+        if part == "ours":
+            continue  # planned on one profile below
         if part in parts or (method == "plain" and "plain" not in rows):
             t0 = time.perf_counter()
-            if method.startswith("remat:dynprog") and kind == "cpu":
-                rows[method] = {"skipped": NO_OFFLOAD}
-                continue
             rows[method] = spawn(args, model, method, batch, size)
             save()
             log(f"  {model:<12} {method:<30} {_brief(rows[method])} ({time.perf_counter() - t0:.0f} s)")
-    if "batch" in parts and (not args.quick or model in QUICK["largest_batch"]):
+    if "ours" in parts:
+        requests = [[method, *method.split(":")[1:]] for part, method in
+                    methods_for(model, args, has_sequential) if part == "ours"]
+        if model in chosen["equal_memory_models"]:
+            for peer, row in rows.items():
+                if peer != "plain" and "peak_bytes" in row:
+                    requests += [[f"{peer}|{solver}", solver, int(row["peak_bytes"])]
+                                 for solver in chosen["equal_memory_solvers"]]
+        measure_ours(args, model, batch, size, record, requests, save, log)
+    if "batch" in parts and model in chosen["largest_batch"]:
         record["largest_batch"] = search_batches(args, model, batch, size, rows, has_sequential, log)
     save()
     return record
+
+
+MEASURED = ("peak_bytes", "step_seconds", "plain_step_seconds", "grad_rel_diff", "norm_diff", "error")
+"""What a measurement gives (the rest of a plan's row comes from its planning)."""
+
+
+def measure_ours(args: argparse.Namespace, model: str, batch: int, size: int, record: dict[str, Any],
+                 requests: list[list[Any]], save: Callable[[], None], log: Callable[[str], None]) -> None:
+    """Our rows: one profile of the model, every requested plan made on it (``plan_all``),
+    each distinct plan measured once in a fresh process. A request keyed ``remat:SOLVER:B``
+    is a row of the measured table; one keyed ``PEER|SOLVER`` (the budget: that peer's
+    measured peak) a cell of ``record["equal_memory"][PEER][SOLVER]``."""
+    t0 = time.perf_counter()
+    plans_file = RESULTS / args.tag / "plans" / f"{model}.jsonl"
+    profile = spawn(args, model, "plan-all", batch, size, plans_file=plans_file, requests=requests)
+    cells = profile.pop("cells", None)
+    record["profile"] = profile
+    log(f"  {model:<12} {'profile and plans':<30} {len(cells or {})} requests, "
+        f"{len(set(c.get('plan_line') for c in (cells or {}).values()) - {None})} distinct plans "
+        f"({time.perf_counter() - t0:.0f} s)")
+    equal = record.setdefault("equal_memory", {})
+    measured: dict[int, tuple[str, dict[str, Any]]] = {}
+    for key, _, _ in requests:
+        t0 = time.perf_counter()
+        cell = dict((cells or {}).get(key) or {"error": profile.get("error", "not planned")})
+        if "plan_line" in cell:
+            line = cell["plan_line"]
+            if line in measured:
+                first, row = measured[line]
+                cell.update({k: row[k] for k in MEASURED if k in row}, same_plan_as=first)
+            else:
+                row = spawn(args, model, f"plan:{line}", batch, size, plans_file=plans_file)
+                measured[line] = (key, row)
+                cell.update(row)
+        if "|" in key:
+            peer, solver = key.split("|")
+            equal.setdefault(peer, {})[solver] = cell
+        else:
+            record["rows"][key] = cell
+        save()
+        log(f"  {model:<12} {key:<30} {_brief(cell)} ({time.perf_counter() - t0:.0f} s)")
 
 
 def search_batches(args: argparse.Namespace, model: str, batch: int, size: int, rows: dict[str, Any],
@@ -474,6 +673,8 @@ def search_batches(args: argparse.Namespace, model: str, batch: int, size: int, 
 
         best, probed = largest_batch(fits_at, batch, start=round(guess))
         out[method] = {"batch": best, "probes": {str(b): probes[b].get("peak_bytes", probes[b]) for b in probed}}
+        if method.startswith("remat"):  # their predictions, for the prediction table
+            out[method]["rows"] = {str(b): probes[b] for b in probed}
         if best is not None:
             out[method]["step_seconds"] = probes[best].get("step_seconds")
         log(f"  {model:<12} largest batch {method:<24} {best} (probed {probed})")
@@ -482,7 +683,8 @@ def search_batches(args: argparse.Namespace, model: str, batch: int, size: int, 
 
 def _brief(row: dict[str, Any]) -> str:
     if "peak_bytes" in row:
-        return f"peak {row['peak_bytes'] / 2**20:.1f} MiB, {row['step_seconds']:.2f} s"
+        same = f" (the plan of {row['same_plan_as']})" if "same_plan_as" in row else ""
+        return f"peak {row['peak_bytes'] / 2**20:.1f} MiB, {row['step_seconds']:.2f} s{same}"
     if "cells" in row:
         return f"{len(row['cells'])} predictions"
     return str(row)[:90]
@@ -491,6 +693,11 @@ def _brief(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the CPU subset (< 20 minutes on 2 cores)")
+    p.add_argument("--set", default="all", choices=["all", "equal-memory"],
+                   help="all: every model and method; equal-memory: the models of the equal-memory "
+                   "comparison (ResNet-50, DenseNet-121, U-Net, GPT), every peer and every solver at "
+                   "each peer's peak, our budgets for auto, no largest-batch search (the CPU set that "
+                   "fits in under an hour on 2 cores)")
     p.add_argument("--models", help=f"comma-separated, of {','.join(MODELS)} (default: all, or the quick set)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--part", default="all", choices=["all", "peers", "ours", "batch"],
@@ -498,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
     p.add_argument("--repeats", type=int, help="timed steps per method, and as many plain ones "
-                   "(default 5; 3 with --quick)")
+                   "(default 5; 3 with --quick and --set equal-memory)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--allow-dirty", action="store_true", help="measure a tree with uncommitted changes")
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")
@@ -508,16 +715,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--cap", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--plans-file", help=argparse.SUPPRESS)
+    p.add_argument("--requests", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.model, args.method, args.device, args.batch, args.size,
-                                 args.repeats, args.cap)))
+        if args.method == "plan-all":
+            out = plan_all(args.model, args.device, args.batch, args.size, json.loads(args.requests),
+                           Path(args.plans_file))
+        else:
+            out = measure(args.model, args.method, args.device, args.batch, args.size,
+                          args.repeats, args.cap, args.plans_file)
+        print(json.dumps(out))
         return 0
 
     if args.repeats is None:
-        args.repeats = QUICK["repeats"] if args.quick else 5
+        args.repeats = selection(args).get("repeats", 5)
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    models = args.models.split(",") if args.models else (QUICK["models"] if args.quick else MODELS)
+    if args.quick and args.set != "all":
+        p.error("--quick and --set choose different sets; give one")
+    models = args.models.split(",") if args.models else selection(args)["models"]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {MODELS}")
@@ -532,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "all" and (RESULTS / args.tag).is_dir() and not args.models:
         for old in (RESULTS / args.tag).glob("*.json"):  # a whole rerun replaces the tag
             old.unlink()
-    meta = {"commit": commit, **environment(args.device), "quick": args.quick}
+    meta = {"commit": commit, **environment(args.device), "quick": args.quick, "set": args.set}
 
     def log(line: str) -> None:
         print(line, flush=True)

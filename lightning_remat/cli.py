@@ -1,4 +1,4 @@
-"""``lightning-remat``: profile a model, solve a graph, find the smallest budget.
+"""``lightning-remat``: profile a model, solve a graph, find the smallest budget, score plans.
 
 Every error is one line on stderr that names the input and what is accepted, with exit code
 2: arguments are checked by their argparse types, and the failures a command can expect
@@ -104,6 +104,65 @@ def device_arg(text: str) -> str:
     return text
 
 
+def plans_file(text: str) -> Path:
+    """A file of plans, or ``-`` for standard input."""
+    path = Path(text)
+    accepted = ("give a file of plans as 'lightning-remat solve --json' writes them (one plan, "
+                "or one plan per line), or - for standard input")
+    if text != "-" and path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; {accepted}")
+    if text != "-" and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file; {accepted}")
+    return path
+
+
+PLANS_ACCEPTED = ("give one plan as 'lightning-remat solve --json' writes it, or JSON lines of "
+                  "such plans (one object per line)")
+
+
+def load_plans(path: Path) -> list[tuple[str, Any]]:
+    """The plans in ``path`` (``-``: standard input): one plan JSON object (over any number of
+    lines, as ``solve --json`` writes it), or one plan object per line; UsageError otherwise,
+    naming the line. Each plan comes with where it was read (``""`` or ``" line N"``)."""
+    import json
+
+    from lightning_remat.solvers.plan import Plan
+
+    name = "standard input" if str(path) == "-" else str(path)
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--plans {name} is not text ({_one_line(exc)}); {PLANS_ACCEPTED}") from None
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None  # not one document: JSON lines, read below
+    except (ValueError, RecursionError) as exc:  # a number too long to read, nesting too deep
+        raise UsageError(f"--plans {name} is not JSON ({_one_line(exc)}); {PLANS_ACCEPTED}") from None
+    if whole is not None:
+        documents: list[tuple[str, Any]] = [("", whole)]
+    else:
+        documents = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                documents.append((f" line {number}", json.loads(line)))
+            except (ValueError, RecursionError) as exc:
+                raise UsageError(f"--plans {name} line {number} is not JSON ({_one_line(exc)}); "
+                                 f"{PLANS_ACCEPTED}") from None
+    if not documents:
+        raise UsageError(f"--plans {name} holds no plan; {PLANS_ACCEPTED}")
+    plans = []
+    for where, data in documents:
+        try:
+            plans.append((where, Plan.from_dict(data)))
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:
+            raise UsageError(f"--plans {name}{where} is not a plan ({_one_line(exc)}); "
+                             f"{PLANS_ACCEPTED}") from None
+    return plans
+
+
 def load_graph(path: str | Path) -> Any:
     """The graph in ``path``; UsageError when it is not one, or has no vertices."""
     from lightning_remat.graph.ir import Graph
@@ -204,6 +263,46 @@ def _cmd_min_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    """Each plan's peak and extra time as the package defines them: the plan's stages scored
+    again by :func:`~lightning_remat.solvers.simulate.make_plan` (the simulator's peak and
+    the recomputation time every solver's plan is given), whatever the file states."""
+    import json
+
+    from lightning_remat.solvers.simulate import make_plan
+
+    graph = load_graph(args.graph)
+    name = "standard input" if str(args.plans) == "-" else str(args.plans)
+    scored = []
+    for index, (where, plan) in enumerate(load_plans(args.plans)):
+        try:
+            plan.validate(graph)  # before make_plan, which orders stages by graph position
+        except ValueError as exc:
+            raise UsageError(f"--plans {name}{where} is not a plan of --graph {args.graph} "
+                             f"({_one_line(exc)}); give plans solved on this graph") from None
+        again = make_plan(graph, plan.stages, plan.solver)
+        scored.append((index, plan, again))
+    if args.json:
+        for index, plan, again in scored:
+            print(json.dumps({"plan": index, "solver": plan.solver,
+                              "predicted_peak_bytes": int(again.predicted_peak_bytes),
+                              "predicted_extra_seconds": float(again.predicted_extra_seconds)}))
+        return 0
+    print(f"{'plan':>4}  {'solver':<24} {'stages':>6} {'recomputed':>10} "
+          f"{'predicted_peak_bytes':>20} {'':>11} {'predicted_extra_seconds':>23}  as the file states")
+    for index, plan, again in scored:
+        stated = []
+        if plan.predicted_peak_bytes != again.predicted_peak_bytes:
+            stated.append(f"peak {plan.predicted_peak_bytes}")
+        if abs(plan.predicted_extra_seconds - again.predicted_extra_seconds) > 1e-9 * max(
+                1.0, abs(again.predicted_extra_seconds)):
+            stated.append(f"extra {plan.predicted_extra_seconds:.6g} s")
+        print(f"{index:>4}  {plan.solver:<24} {len(plan.stages):>6} {plan.count('recompute'):>10} "
+              f"{again.predicted_peak_bytes:>20} {format_bytes(again.predicted_peak_bytes):>11} "
+              f"{again.predicted_extra_seconds:>23.6g}  {', '.join(stated) or 'the same'}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from lightning_remat.report import read_run, write_png
 
@@ -287,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", type=graph_file, required=True)
     p.add_argument("--solver", default="auto", choices=sorted(SOLVERS))
     p.set_defaults(func=_cmd_min_budget)
+
+    p = sub.add_parser("simulate", help="each plan's predicted peak and extra time on a graph")
+    p.add_argument("--graph", type=graph_file, required=True)
+    p.add_argument("--plans", type=plans_file, required=True,
+                   help="one plan as 'solve --json' writes it, or JSON lines of plans; - reads stdin")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per plan: plan, solver, predicted_peak_bytes, "
+                   "predicted_extra_seconds")
+    p.set_defaults(func=_cmd_simulate)
 
     p = sub.add_parser("report", help="timeline PNG and plan table of a run's TensorBoard logs")
     p.add_argument("run_dir")

@@ -3,9 +3,12 @@ RESULTS.md must come from real measurements, name its commit, and refuse a dirty
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -72,7 +75,7 @@ def test_measure_gives_plain_agreement_and_a_budgeted_plan() -> None:
     assert {(c["solver"], c["budget"]) for c in cells} == {
         (s, b) for s in run.PREDICTED_SOLVERS for b in run.BUDGETS}
     assert all(c["fits"] == ("predicted_peak_bytes" in c) for c in cells)
-    assert run.measure("gpt", "checkpoint_sequential:2", "cpu", 2, 32, 1) == {"skipped": "no sequential form"}
+    assert run.measure("unet", "checkpoint_sequential:2", "cpu", 2, 32, 1) == {"skipped": "no sequential form"}
     assert "GPU" in run.measure("gpt", "remat:dynprog:50%", "cpu", 2, 32, 1)["skipped"]
     with pytest.raises(ValueError, match="unknown method"):
         run.measure("gpt", "magic", "cpu", 2, 32, 1)
@@ -161,3 +164,182 @@ def test_gpu_script_parses_and_refuses_without_a_gpu() -> None:
     proc = subprocess.run(["bash", str(script), "gpt", "peers"], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr
+
+
+def _equal_memory_record() -> dict:
+    """A results record with the equal-memory comparison: checkpoint_sequential:2 peaks at
+    60 MiB at 1.10x plain; auto at that budget measured 58 MiB at 1.21x (slower by 10%),
+    kusumoto-tc chose the same plan (one measurement), kusumoto-mc 55 MiB at 1.32x, chen
+    could not reach it."""
+    mib = 2**20
+    record = _record("resnet50", "abc1234567")
+    rows = record["rows"]
+    rows["checkpoint_sequential:2"] = {"peak_bytes": 60 * mib, "step_seconds": 2.2, "plain_step_seconds": 2.0,
+                                       "grad_rel_diff": 0.0, "norm_diff": 1.0}
+    planned = {"budget_bytes": 60 * mib, "profiled_step_seconds": 1.0, "recomputed": 3}
+    auto = {**planned, "solver": "auto:kusumoto-tc", "plan_line": 0, "predicted_peak_bytes": 57 * mib,
+            "predicted_extra_seconds": 0.15, "peak_bytes": 58 * mib, "step_seconds": 1.21,
+            "plain_step_seconds": 1.0, "grad_rel_diff": 0.0, "norm_diff": 0.0}
+    record["equal_memory"] = {"checkpoint_sequential:2": {
+        "auto": auto,
+        "kusumoto-tc": {**auto, "solver": "kusumoto-tc", "same_plan_as": "checkpoint_sequential:2|auto"},
+        "kusumoto-mc": {**planned, "solver": "kusumoto-mc", "plan_line": 1, "predicted_peak_bytes": 56 * mib,
+                        "predicted_extra_seconds": 0.3, "peak_bytes": 55 * mib, "step_seconds": 2.64,
+                        "plain_step_seconds": 2.0, "grad_rel_diff": 0.0, "norm_diff": 0.0},
+        "chen": {"skipped": "infeasible", "budget_bytes": 60 * mib, "min_budget_bytes": 66 * mib}}}
+    return record
+
+
+def test_render_gives_the_equal_memory_table_and_its_verdicts(tmp_path: Path) -> None:
+    results = tmp_path / "results" / "cpu"
+    results.mkdir(parents=True)
+    (results / "resnet50.json").write_text(json.dumps(_equal_memory_record()))
+    text = render.render(tmp_path / "results", tmp_path / "plots", tmp_path / "RESULTS.md")
+    lines = text.splitlines()
+    # The peer once, then each solver at its peak: time/plain 1.21 against the peer's 1.10.
+    assert ("| checkpoint_sequential, 2 segments | 60.0 | 0.60 | 1.10 | auto (auto:kusumoto-tc) | 58.0 | "
+            "0.58 | 1.21 | slower by 10% |") in lines
+    assert ("| | | | | kusumoto-tc, checkpoint_sequential:2: auto's plan | 58.0 | 0.58 | 1.21 | "
+            "slower by 10% |") in lines
+    # At 1.32 against 1.10, and well under the peer's peak (55 MiB against 60: said).
+    assert "| | | | | kusumoto-mc | 55.0 | 0.55 | 1.32 | slower by 20%, peak 8.3% below the peer's |" in lines
+    assert "| | | | | chen | - | - | - | infeasible: smallest budget 66.0 MiB, +10% of the peer's peak |" in lines
+    # The findings: auto slower than the peer in the one configuration; tc faster than mc.
+    assert "`remat auto` at a peer's measured peak is at most the peer's time in 0 of 1 configurations." in text
+    assert "- resnet50 at the peak of checkpoint_sequential, 2 segments: slower by 10%" in text
+    assert "`kusumoto-tc` is nowhere slower than another solver" in text
+    found = render.equal_memory_findings([_equal_memory_record()])
+    slow_tc = _equal_memory_record()
+    slow_tc["equal_memory"]["checkpoint_sequential:2"]["kusumoto-tc"]["step_seconds"] = 1.5
+    assert found["tc_misses"] == []
+    assert render.equal_memory_findings([slow_tc])["tc_misses"] == [
+        "resnet50 at the peak of checkpoint_sequential, 2 segments: kusumoto-tc 14% slower than kusumoto-mc"]
+
+
+def test_prediction_columns_cover_every_measured_plan_once(tmp_path: Path) -> None:
+    record = _equal_memory_record()
+    record["rows"]["remat:auto:50%"]["plain_step_seconds"] = 1.0
+    record["largest_batch"]["remat:auto:cap"]["rows"] = {"20": {
+        "solver": "auto:kusumoto-mc", "predicted_peak_bytes": 98 * 2**20, "predicted_extra_seconds": 0.25,
+        "profiled_step_seconds": 1.0, "peak_bytes": 99 * 2**20, "step_seconds": 1.28, "plain_step_seconds": 1.0}}
+    labels = [label for label, _ in render.measured_plans(record)]
+    # The measured table's plan, the equal-memory cells measured (not the reused one), the probe.
+    assert labels == ["remat auto @50%", "remat auto at the peak of checkpoint_sequential, 2 segments",
+                      "remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments",
+                      "remat auto, batch 20, budget = cap"]
+    table = render.prediction_table(record)
+    # auto @50%: predicted 48 MiB against 49 measured (-2.0%); extra +20% predicted, +30% measured.
+    assert "| remat auto @50% | auto:kusumoto-mc | 49.0 | 48.0 | -2.0% | +30% | +20% | -10 pts |" in table
+    assert ("| remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments | kusumoto-mc | 55.0 | 56.0 | "
+            "+1.8% | +32% | +30% | -2 pts |") in table
+    worst = render.worst_predictions([record])
+    assert worst["plans"] == 4 and worst["worst_extra"][1] == "remat auto @50%"
+    assert worst["worst_peak"][1] == "remat auto @50%" and worst["peak_within"] == 4
+    # Extra time: -10 (auto @50%) and -6 points (auto at the peer's peak) miss the 5-point
+    # target; -2 (kusumoto-mc) and -3 (the probe) meet it.
+    assert worst["extra_within"] == 2
+    assert render.prediction_errors({"peak_bytes": 1}) is None
+
+    # prediction.py reports the same rows from the results files and exits 1 on a miss.
+    results = tmp_path / "results" / "cpu"
+    results.mkdir(parents=True)
+    (results / "resnet50.json").write_text(json.dumps(record))
+    proc = subprocess.run([sys.executable, str(run.ROOT / "benchmarks" / "prediction.py"), "--results",
+                           str(tmp_path / "results")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "worst extra-time error: -10 points (resnet50, remat auto @50%: predicted +20%, measured +30%)" in proc.stdout
+    assert "4 plans: peak within 3% for 4, extra time within 5 points for 2" in proc.stdout
+
+
+def test_our_plans_are_made_once_and_each_distinct_plan_measured_once(tmp_path, monkeypatch) -> None:
+    """measure_ours: one profile for every request, one measurement per distinct plan, and
+    rows and equal-memory cells filled from them (no process is started: spawn is faked)."""
+    calls: list[tuple[str, Any]] = []
+
+    def fake_spawn(args, model, method, batch, size, cap_bytes=None, plans_file=None, requests=None):
+        calls.append((method, requests))
+        if method == "plan-all":
+            return {"vertices": 9, "cells": {
+                "remat:auto:75%": {"plan_line": 0, "solver": "auto:kusumoto-tc", "predicted_peak_bytes": 7},
+                "remat:auto:25%": {"skipped": "infeasible", "min_budget_bytes": 5},
+                "compile:0.5|auto": {"plan_line": 0, "solver": "auto:kusumoto-tc", "predicted_peak_bytes": 7},
+                "compile:0.5|chen": {"plan_line": 1, "solver": "chen", "predicted_peak_bytes": 6}}}
+        return {"peak_bytes": 100 + int(method.split(":")[1]), "step_seconds": 1.0, "plain_step_seconds": 1.0,
+                "grad_rel_diff": 0.0, "norm_diff": 0.0}
+
+    monkeypatch.setattr(run, "spawn", fake_spawn)
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    args = argparse.Namespace(tag="cpu")
+    record: dict = {"rows": {}}
+    requests = [["remat:auto:75%", "auto", "75%"], ["remat:auto:25%", "auto", "25%"],
+                ["compile:0.5|auto", "auto", 70], ["compile:0.5|chen", "chen", 70]]
+    run.measure_ours(args, "gpt", 2, 32, record, requests, lambda: None, lambda line: None)
+    assert [c[0] for c in calls] == ["plan-all", "plan:0", "plan:1"] and calls[0][1] == requests
+    assert record["rows"]["remat:auto:75%"]["peak_bytes"] == 100
+    assert record["rows"]["remat:auto:25%"] == {"skipped": "infeasible", "min_budget_bytes": 5}
+    cells = record["equal_memory"]["compile:0.5"]
+    assert cells["auto"]["peak_bytes"] == 100 and cells["auto"]["same_plan_as"] == "remat:auto:75%"
+    assert cells["chen"]["peak_bytes"] == 101 and "same_plan_as" not in cells["chen"]
+    assert record["profile"] == {"vertices": 9}
+
+
+def test_the_gpt_sequential_form_is_the_same_model() -> None:
+    import torch
+
+    model, x, sequential = run.build("gpt", "cpu", batch=2, size=16)
+    assert sequential is not None
+    torch.manual_seed(0)
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    sequential(x).sum().backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert {id(p) for p in sequential.parameters()} <= {id(p) for p in model.parameters()}
+
+
+@pytest.mark.slow
+def test_a_plan_made_on_one_profile_runs_in_another_process(tmp_path) -> None:
+    """plan_all writes the profiled graph and each distinct plan; measuring one of them (as a
+    fresh worker does) runs it through the executor with the plain model's gradients."""
+    plans_file = tmp_path / "gpt.jsonl"
+    requests = [["remat:chen:100%", "chen", "100%"], ["x|chen", "chen", 10**9], ["remat:dynprog:50%", "dynprog", "50%"]]
+    out = run.plan_all("gpt", "cpu", 2, 32, requests, plans_file)
+    cells = out["cells"]
+    assert cells["remat:chen:100%"]["plan_line"] == cells["x|chen"]["plan_line"] == 0  # one distinct plan
+    assert "GPU" in cells["remat:dynprog:50%"]["skipped"]
+    assert len(plans_file.read_text().splitlines()) == 1 and run.graph_path(plans_file).exists()
+    assert {c["solver"] for c in out["predictions"]["cells"]} == set(run.PREDICTED_SOLVERS)
+    row = run.measure("gpt", "plan:0", "cpu", 2, 32, 1, plans_file=str(plans_file))
+    assert row["grad_rel_diff"] == 0.0 and row["peak_bytes"] > 0
+
+
+def test_the_equal_memory_set_keeps_every_model_and_peer_of_the_comparison() -> None:
+    """--set equal-memory is the CPU set that fits the machine: it drops models and the
+    largest-batch search, never a model of the comparison or a peer configuration."""
+    args = argparse.Namespace(quick=False, set="equal-memory", no_compile=False)
+    chosen = run.selection(args)
+    assert set(chosen["models"]) == {"resnet50", "densenet121", "unet", "gpt"}
+    assert chosen["equal_memory_models"] == chosen["models"] and not chosen["largest_batch"]
+    assert chosen["equal_memory_solvers"] == ["auto", "kusumoto-tc", "kusumoto-mc", "feng", "hong-linear", "chen"]
+    peers = [m for part, m in run.methods_for("resnet50", args, has_sequential=True) if part == "peers"]
+    assert peers == ["plain", "checkpoint_sequential:2", "checkpoint_sequential:4", "checkpoint_sequential:8",
+                     "compile:0.5", "compile:0.25"]
+    assert run.SIZES["cpu"]["resnet50"] == (16, 160)  # activations dominate its peak
+    with pytest.raises(SystemExit):
+        run.main(["--quick", "--set", "equal-memory"])
+
+
+def test_a_compile_peak_read_eagerly_on_the_cpu_is_not_compared(tmp_path: Path) -> None:
+    """On the CPU the meter's dispatch mode keeps torch.compile from compiling the measured
+    step: a compile peak equal to plain's to the byte is flagged, and no verdict rests on it."""
+    record = _equal_memory_record()
+    record["rows"]["compile:0.5"]["peak_bytes"] = record["rows"]["plain"]["peak_bytes"]
+    record["equal_memory"]["compile:0.5"] = {"auto": dict(record["equal_memory"]["checkpoint_sequential:2"]["auto"])}
+    found = render.equal_memory_findings([record])
+    assert found["not_comparable"] == ["resnet50 at the peak of torch.compile, activation budget 0.5"]
+    assert len(found["auto_misses"]) == 1  # checkpoint_sequential's verdict still stands
+    table = "\n".join(render.equal_memory_table(record))
+    assert "not comparable: the peer's peak is its eager step's" in table
+    assert render.EAGER_READING in "\n".join(render.measured_table(record))
+    record["device"] = "cuda"  # the allocator's counters see compiled code
+    assert render.equal_memory_findings([record])["not_comparable"] == []

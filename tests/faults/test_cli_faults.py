@@ -9,6 +9,7 @@ import pytest
 
 from lightning_remat.cli import main
 from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers import plain_plan
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str]:
@@ -29,6 +30,12 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "empty.json").write_text('{"nodes": []}')
     (tmp_path / "garbage.json").write_bytes(b"\xff\xfe not json")
     Graph.chain([100] * 5).save(tmp_path / "g.json")
+    plan = plain_plan(Graph.chain([100] * 5)).to_json()
+    (tmp_path / "plan_of_8.json").write_text(plain_plan(Graph.chain([100] * 8)).to_json(indent=1))
+    (tmp_path / "not_a_plan.json").write_text('{"stages": []}')
+    (tmp_path / "plans.jsonl").write_text(f"{plan}\n{plan[:40]}\n")
+    (tmp_path / "no_plans.jsonl").write_text("\n\n")
+    (tmp_path / "bad_action.json").write_text(plan.replace('"keep"', '"discard"'))
     (tmp_path / "cli_factories.py").write_text(
         "import torch\n"
         "def number():\n    return 3\n"
@@ -58,6 +65,18 @@ CASES = [
     (["profile", "cli_factories:linear", "--input-shape", "4", "-o", "a_dir"], ["a_dir"]),
     (["tune", "cli_factories:linear", "--input-shape", "4"], ["needs --budget"]),
     (["tune", "cli_factories:linear", "--budget", "1MiB", "--init-val", "0"], ["--init-val: '0'"]),
+    (["simulate", "--graph", "g.json", "--plans", "a_dir"], ["'a_dir' is a directory", "solve --json"]),
+    (["simulate", "--graph", "g.json", "--plans", "missing.json"], ["'missing.json': no such file"]),
+    (["simulate", "--graph", "g.json"], ["--plans"]),
+    (["simulate", "--graph", "garbage.json", "--plans", "plans.jsonl"], ["garbage.json is not a graph JSON"]),
+    (["simulate", "--graph", "g.json", "--plans", "garbage.json"], ["--plans garbage.json", "solve --json"]),
+    (["simulate", "--graph", "g.json", "--plans", "not_a_plan.json"],
+     ["--plans not_a_plan.json is not a plan", "missing ['stored'", "solve --json"]),
+    (["simulate", "--graph", "g.json", "--plans", "bad_action.json"], ["'discard'", "is not a plan"]),
+    (["simulate", "--graph", "g.json", "--plans", "plans.jsonl"], ["--plans plans.jsonl line 2 is not JSON"]),
+    (["simulate", "--graph", "g.json", "--plans", "no_plans.jsonl"], ["no_plans.jsonl holds no plan"]),
+    (["simulate", "--graph", "g.json", "--plans", "plan_of_8.json"],
+     ["--plans plan_of_8.json is not a plan of --graph g.json", "unknown vertex 'v5'"]),
     (["report", "no_such_dir"], ["no_such_dir"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'"]),
 ]

@@ -34,9 +34,14 @@ LOADED = f"print(__import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sy
     ["solve", "--graph", "g.json", "--budget", "60%"],
     ["solve", "--graph", "g.json", "--budget", "60%", "--solver", "kusumoto-tc", "--json"],
     ["min-budget", "--graph", "g.json", "--solver", "feng"],
+    ["simulate", "--graph", "g.json", "--plans", "p.json"],
+    ["simulate", "--graph", "g.json", "--plans", "p.json", "--json"],
 ])
 def test_the_cli_loads_no_heavy_module_for_help_and_solving(tmp_path, argv):
+    from lightning_remat.solvers import get_solver
+
     Graph.chain([100] * 8).save(tmp_path / "g.json")
+    (tmp_path / "p.json").write_text(get_solver("chen")(Graph.chain([100] * 8), None).to_json(indent=1))
     code = ("import sys, contextlib, io\n"
             "from lightning_remat.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
