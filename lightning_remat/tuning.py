@@ -137,9 +137,15 @@ def bracket(records: Sequence[tuple[int, bool]]) -> Bracket:
 
 
 def next_batch_size(
-    records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1
+    records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1,
+    hint: int | None = None,
 ) -> int | None:
     """The next size to try, or None when the answer is known.
+
+    ``hint``: the size predicted to be the largest that fits (:func:`predict_largest`).
+    It is tried first, then its neighbour ``granularity`` above (when it fit) or below
+    (when it did not): a right prediction closes the bracket in two trials. After that,
+    or when the prediction was wrong, the rules below go on from the trials so far.
 
     Doubling phase (no infeasible size yet): ``init_val``, then twice the largest feasible
     size, capped at ``max_val``. Bisection phase: the midpoint of the bracket, until the
@@ -150,6 +156,16 @@ def next_batch_size(
     """
     br = bracket(records)
     lo, hi = br.largest_feasible, br.smallest_infeasible
+    if hi is not None and hi - lo <= granularity:
+        return None
+    if hint is not None:
+        hint = min(max(hint, 1), max_val)
+        verdicts = dict(records)
+        if hint not in verdicts:
+            return hint
+        neighbour = hint + granularity if verdicts[hint] else hint - granularity
+        if 1 <= neighbour <= max_val and neighbour not in verdicts:
+            return neighbour
     if hi is None:
         if lo == 0:
             return min(init_val, max_val)
@@ -179,8 +195,9 @@ class BisectionSampler(BaseSampler):
     """
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
-                 fallback: BaseSampler | None = None) -> None:
+                 fallback: BaseSampler | None = None, hint: int | None = None) -> None:
         check_search_args(init_val, max_val, granularity)
+        self.hint = hint
         self.init_val = init_val
         self.max_val = max_val
         self.granularity = granularity
@@ -196,7 +213,7 @@ class BisectionSampler(BaseSampler):
     def proposal(self, study: Study) -> int | None:
         """The size the next trial will get (None: the search is finished)."""
         pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
-        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity)
+        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, self.hint)
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
@@ -208,6 +225,21 @@ class BisectionSampler(BaseSampler):
             proposed = max(1, bracket([(r.batch_size, r.feasible) for r in finished_records(study)]).largest_feasible)
         assert isinstance(param_distribution, IntDistribution)
         return int(min(max(proposed, param_distribution.low), param_distribution.high))
+
+
+def predict_largest(fits: Callable[[int], bool], init_val: int, max_val: int,
+                    granularity: int = 1) -> int | None:
+    """The largest size ``fits(size)`` accepts, found by the search's own steps (double from
+    ``init_val``, then bisect) on a prediction instead of a measurement: ``fits`` solves
+    the graph derived for that size (:mod:`lightning_remat.graph.scale`), so each step costs
+    a solve, not a training step. None when not even the smallest size tried fits."""
+    check_search_args(init_val, max_val, granularity)
+    records: list[tuple[int, bool]] = []
+    while (size := next_batch_size(records, init_val, max_val, granularity)) is not None:
+        records.append((size, bool(fits(size))))
+        if size == 1 and not records[-1][1]:
+            break
+    return bracket(records).largest_feasible or None
 
 
 def check_search_args(init_val: int, max_val: int, granularity: int) -> None:
@@ -273,6 +305,7 @@ def run_search(
     label: str = "remat",
     solver: str = "",
     progress_bar: bool = False,
+    hint: int | None = None,
 ) -> SearchResult:
     """Find the largest batch size ``trial_fn`` calls feasible (exact within ``granularity``).
 
@@ -284,7 +317,7 @@ def run_search(
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = BisectionSampler(init_val, max_val, granularity)
+    sampler = BisectionSampler(init_val, max_val, granularity, hint=hint)
     study, storage_used = _load_study(storage, study_name, sampler)
     _fail_stale_trials(study, storage_used, label)
 
