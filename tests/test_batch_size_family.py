@@ -4,6 +4,7 @@ answer predicted and measured around, and the found size trained without profili
 from __future__ import annotations
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ import lightning_remat.planner as planner_mod
 from lightning_remat import RematStrategy
 from lightning_remat.callbacks import RematBatchSizeFinder
 from lightning_remat.tuning import next_batch_size, predict_largest, run_search
-from tests.test_batch_size import SizedConvNet, brute_force, small_trainer, threshold_trial
+from tests.test_batch_size import SizedConvNet, brute_force, threshold_trial
 
 
 @settings(max_examples=80, deadline=None)
@@ -65,11 +66,19 @@ def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch
     budget = 16 * 2**20
     torch.manual_seed(0)
     model = SizedConvNet(batch_size=4, channels=16, image=32, samples=256)
-    finder = RematBatchSizeFinder(init_val=4, max_val=256, steps_per_trial=1, compare_plain=False,
-                                  progress_bar=False)
+    finder = RematBatchSizeFinder(init_val=4, max_val=256, steps_per_trial=1, compare_plain=False)
     strategy = RematStrategy(memory_budget=budget, solver="auto", offload=False)
-    trainer = small_trainer(tmp_path, max_steps=1, callbacks=[finder], strategy=strategy)
+    lines: list[str] = []
+    monkeypatch.setattr(batch_size_mod, "rank_zero_info", lambda line: lines.append(str(line)))
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, max_steps=1,
+                         callbacks=[finder], strategy=strategy)
     trainer.fit(model)
+    # Shown while it ran: the profiling, the prediction, and one summary line at the end.
+    said = [line for line in lines if line.startswith("lightning-remat: batch-size search")]
+    assert "profiling at batch sizes [2, 4]" in said[0]
+    assert "predicted largest" in said[1]
+    assert "plain steps" in said[-1] and f"largest fit {finder.optimal_batch_size}" in said[-1]
     best = finder.optimal_batch_size
     assert best is not None and model.batch_size == best
     # The family: profiled at init_val and half of it, by the search; never by a trial.
