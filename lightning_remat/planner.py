@@ -257,7 +257,7 @@ class PlanSettings:
     None (free device memory less a margin on CUDA, no limit elsewhere)."""
     solver: str = "auto"
     profile_repeats: int = 3
-    """Measured repeats when profiling."""
+    """The most timed steps when profiling (a second runs only while op times vary)."""
     safe_profile: bool = False
     """Profile op by op, so profiling fits where a plain step would not."""
     offload: bool = True

@@ -56,7 +56,7 @@ from lightning_remat.device import (
 )
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
-from lightning_remat.graph.scale import derive_graph
+from lightning_remat.graph.scale import check_family, derive_graph
 from lightning_remat.graph.trace import Traced, trace_module
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
@@ -231,7 +231,8 @@ class LightningTrial:
 
     def profile_family(self, sizes: list[int]) -> list[Graph]:
         """Profile the target at each of ``sizes`` (the state restored after each), keep the
-        profiles as this trial's shape family and return them."""
+        profiles as this trial's shape family and return them; none when the traced graph
+        differs between the sizes (then every trial profiles its own size)."""
         model = self.model
         family = []
         with (
@@ -242,10 +243,18 @@ class LightningTrial:
                 args, kwargs = self._capture_call(self.batch(size))
                 with preserved_state(self.target, [self.device]):
                     traced = trace_module(self.target, args, kwargs)
-                family.append(profile_module(
+                graph = profile_module(
                     self.target, args, example_kwargs=kwargs or None, traced=traced,
-                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile))
+                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile)
+                # Scaled in the search's own unit: the batch size it sets, whatever the
+                # first dimension of the target's input is.
+                graph.meta.batch_size = size
+                family.append(graph)
                 del args, kwargs
+        try:
+            check_family(family)
+        except ValueError:
+            family = []  # the traced graph changes with the batch size: every trial profiles
         self.family = family
         return family
 
