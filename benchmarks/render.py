@@ -276,6 +276,13 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
     return "\n".join(out).rstrip() + "\n"
 
 
+def _cpu_steps(row: dict[str, Any], key: str) -> str:
+    """``"; CPU 3.2"``: the same ratio in CPU seconds, when measured."""
+    if row.get(f"{key}_cpu") is None or not row.get("plain_step_cpu"):
+        return ""
+    return f"; CPU {row[f'{key}_cpu'] / row['plain_step_cpu']:.1f}"
+
+
 def planning_section(folder: Path = PLANNING) -> list[str]:
     """The planning-cost tables from ``benchmarks/planning.py``'s JSON files (one per device):
     what profiling, solving and the batch-size search cost before training starts, in plain
@@ -288,7 +295,8 @@ def planning_section(folder: Path = PLANNING) -> list[str]:
                 f"{record['machine']}, torch {record['torch']}, measured {record['date']} at commit "
                 f"{record['commit']} (load average {record.get('load_average', 0):.1f}) by "
                 "`benchmarks/planning.py`. Each cell: seconds, and in brackets plain training steps "
-                "(the median plain step at the same batch). Goals: profile at most 5 plain steps "
+                "(the median plain step at the same batch) by wall time and by the process's CPU time "
+                "(less disturbed by other processes on a shared machine). Goals: profile at most 5 plain steps "
                 "on the CPU, the batch-size search at most 30.", ""]
         if record.get("phases"):
             out += ["| model | batch | plain step | trace | profile | solve (auto) | remat() at 75% |",
@@ -297,7 +305,7 @@ def planning_section(folder: Path = PLANNING) -> list[str]:
                 step = row["plain_step"]
 
                 def cell(key: str, row: dict[str, Any] = row, step: float = step) -> str:
-                    return f"{row[key]:.2f} s ({row[key] / step:.1f})"
+                    return f"{row[key]:.2f} s ({row[key] / step:.1f}{_cpu_steps(row, key)})"
 
                 out.append(f"| {row['model']} | {row['batch']} | {step:.3f} s | {cell('trace')} | "
                            f"{cell('profile')} | {cell('solve')} | {cell('remat')} |")
@@ -315,9 +323,10 @@ def planning_section(folder: Path = PLANNING) -> list[str]:
                 out.append(
                     f"| {row['model']} | {row['cap_bytes'] / MiB:.1f} | {row['ours_trials']} | "
                     f"{row['ours_trial_steps']} | {row['ours_found']} | {row['ours_seconds']:.1f} s "
-                    f"({row['ours_seconds'] / step:.1f}) | {row['lightning_trials']} | "
-                    f"{row['lightning_trial_steps']} | {row['lightning_found']} | "
-                    f"{row['lightning_seconds']:.1f} s ({row['lightning_seconds'] / step:.1f}) |")
+                    f"({row['ours_seconds'] / step:.1f}{_cpu_steps(row, 'ours_seconds')}) | "
+                    f"{row['lightning_trials']} | {row['lightning_trial_steps']} | {row['lightning_found']} | "
+                    f"{row['lightning_seconds']:.1f} s ({row['lightning_seconds'] / step:.1f}"
+                    f"{_cpu_steps(row, 'lightning_seconds')}) |")
             out.append("")
     return out
 
