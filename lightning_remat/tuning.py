@@ -138,14 +138,16 @@ def bracket(records: Sequence[tuple[int, bool]]) -> Bracket:
 
 def next_batch_size(
     records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1,
-    hint: int | None = None,
+    hint: int | Sequence[int] | None = None,
 ) -> int | None:
     """The next size to try, or None when the answer is known.
 
-    ``hint``: the size predicted to be the largest that fits (:func:`predict_largest`).
-    It is tried first, then its neighbour ``granularity`` above (when it fit) or below
-    (when it did not): a right prediction closes the bracket in two trials. After that,
-    or when the prediction was wrong, the rules below go on from the trials so far.
+    ``hint``: the size predicted to be the largest that fits (:func:`predict_largest`), or
+    several predictions, most hopeful first. Each still inside the bracket is tried, then a
+    prediction's neighbour when the prediction is an end of the bracket (``granularity``
+    above the largest fitting size, else below the smallest failing one): a right
+    prediction closes the bracket in two trials. After them the rules below go on from
+    the trials so far.
 
     Doubling phase (no infeasible size yet): ``init_val``, then twice the largest feasible
     size, capped at ``max_val``. Bisection phase: the midpoint of the bracket, until the
@@ -158,13 +160,18 @@ def next_batch_size(
     lo, hi = br.largest_feasible, br.smallest_infeasible
     if hi is not None and hi - lo <= granularity:
         return None
-    if hint is not None:
-        hint = min(max(hint, 1), max_val)
-        verdicts = dict(records)
-        if hint not in verdicts:
-            return hint
-        neighbour = hint + granularity if verdicts[hint] else hint - granularity
-        if 1 <= neighbour <= max_val and neighbour not in verdicts:
+    verdicts = dict(records)
+
+    def open_(size: int) -> bool:  # inside the bracket, so its verdict would be news
+        return 1 <= size <= max_val and size > lo and (hi is None or size < hi) and size not in verdicts
+
+    guesses = [min(max(g, 1), max_val) for g in ([] if hint is None else [hint] if isinstance(hint, int) else hint)]
+    for guess in guesses:
+        if open_(guess):
+            return guess
+    # A prediction at an end of the bracket: its neighbour closes it (the fitting end first).
+    for neighbour in ([lo + granularity] if lo in guesses else []) + ([hi - granularity] if hi in guesses else []):
+        if open_(neighbour):
             return neighbour
     if hi is None:
         if lo == 0:
@@ -195,7 +202,7 @@ class BisectionSampler(BaseSampler):
     """
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
-                 fallback: BaseSampler | None = None, hint: int | None = None) -> None:
+                 fallback: BaseSampler | None = None, hint: int | Sequence[int] | None = None) -> None:
         check_search_args(init_val, max_val, granularity)
         self.hint = hint
         self.init_val = init_val
@@ -305,7 +312,7 @@ def run_search(
     label: str = "remat",
     solver: str = "",
     progress_bar: bool = False,
-    hint: int | None = None,
+    hint: int | Sequence[int] | None = None,
 ) -> SearchResult:
     """Find the largest batch size ``trial_fn`` calls feasible (exact within ``granularity``).
 

@@ -89,3 +89,13 @@ def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch
     # Training ran at the found size through the trial's cached plan.
     (entry,) = strategy.planner.planned.values()
     assert entry.from_cache and entry.graph.meta.batch_size == best
+
+
+def test_a_wrong_prediction_falls_back_on_the_next_one():
+    """The solver's prediction first (here too hopeful), plain training's second (right):
+    three trials, where doubling from init_val and bisecting would take seven."""
+    calls: list[int] = []
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 16])
+    assert result.largest_feasible == 16 and calls == [80, 16, 17]
+    lightning_like = run_search(threshold_trial(16), init_val=8, max_val=1024)
+    assert len(lightning_like.trials) == 7

@@ -485,7 +485,7 @@ class RematBatchSizeFinder(Callback):
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
                 solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str,
-                hint: int | None = None) -> SearchResult:
+                hint: int | list[int] | None = None) -> SearchResult:
         storage = self.storage or default_storage(trainer.default_root_dir)
         name = study_name_for(pl_module, settings.device, settings.budget_bytes, solver, sample_shape)
         if self.study_name:
@@ -572,11 +572,17 @@ class RematBatchSizeFinder(Callback):
                 # Remat fits at least what plain training fits (same budget): start there.
                 if plain.largest_feasible and plain.largest_feasible <= self.max_val:
                     init_val = plain.largest_feasible
-            hint = self._predict(remat_trial, solver, settings, init_val)
+            # Two predictions: the solver's, then plain training's (its peak is fitted to
+            # measured peaks, so it holds even where the simulator and a plan's measured
+            # peak disagree; every solver fits at least what plain training fits).
+            predicted = self._predict(remat_trial, solver, settings, init_val)
+            fallback = self._predict(remat_trial, PLAIN, settings, init_val) if solver != PLAIN else None
+            hints = [h for h in (predicted, fallback) if h]
             label = "remat" if solver != PLAIN else PLAIN
-            say(f"batch-size search ({label}): predicted largest {hint}; measuring around it")
+            say(f"batch-size search ({label}): predicted largest {predicted}"
+                + (f" (plain training: {fallback})" if fallback else "") + "; measuring around it")
             remat = self._search(trainer, pl_module, remat_trial, solver, label, settings, init_val,
-                                 sample_shape, hint)
+                                 sample_shape, hints)
             seconds = time.perf_counter() - started
             trials = remat.trials_run + (plain.trials_run if plain is not None else 0)
             step = family[-1].meta.step_seconds if family else None
