@@ -145,6 +145,7 @@ def batch_search_costs(name: str) -> dict[str, Any]:
     # One measured step per trial (steps_per_trial=1; the unmeasured warm-up runs on CUDA only).
     row["ours_trial_steps"] = len(report.remat.trials)
     row["ours_found"] = report.remat.largest_feasible
+    row["ours_sizes"] = [r.batch_size for r in report.remat.trials]
 
     sizes_tried: list[int] = []
 
@@ -168,6 +169,7 @@ def batch_search_costs(name: str) -> dict[str, Any]:
     row["lightning_trials"] = len(sizes_tried)
     row["lightning_trial_steps"] = len(sizes_tried)  # steps_per_trial=1
     row["lightning_found"] = finder.optimal_batch_size
+    row["lightning_sizes"] = sizes_tried
     return row
 
 
