@@ -291,7 +291,7 @@ def planning_section(folder: Path = PLANNING) -> list[str]:
     out: list[str] = []
     for path in files:
         record = json.loads(path.read_text())
-        out += [f"## Planning cost ({record['device']})", "",
+        out += [f"## Planning cost ({path.stem})", "",
                 f"{record['machine']}, torch {record['torch']}, measured {record['date']} at commit "
                 f"{record['commit']} (load average {record.get('load_average', 0):.1f}) by "
                 "`benchmarks/planning.py`. Each cell: seconds, and in brackets plain training steps "
