@@ -169,10 +169,16 @@ def next_batch_size(
     for guess in guesses:
         if open_(guess):
             return guess
-    # A prediction at an end of the bracket: its neighbour closes it (the fitting end first).
-    for neighbour in ([lo + granularity] if lo in guesses else []) + ([hi - granularity] if hi in guesses else []):
-        if open_(neighbour):
-            return neighbour
+    # A prediction that fit: from the bracket's fitting end, its neighbour, then steps
+    # doubling with the distance already covered (rather than bisect a bracket a wrong
+    # prediction opened). None fit: the neighbour below a prediction that failed.
+    fitting = [g for g in guesses if verdicts.get(g) and g <= lo]
+    if fitting:
+        gallop = lo + max(granularity, 2 * (lo - max(fitting)))
+        if open_(gallop):
+            return gallop
+    if not fitting and hi in guesses and open_(hi - granularity):
+        return hi - granularity
     if hi is None:
         if lo == 0:
             return min(init_val, max_val)

@@ -99,3 +99,7 @@ def test_a_wrong_prediction_falls_back_on_the_next_one():
     assert result.largest_feasible == 16 and calls == [80, 16, 17]
     lightning_like = run_search(threshold_trial(16), init_val=8, max_val=1024)
     assert len(lightning_like.trials) == 7
+    # The second prediction one short: up from it, not a bisection of [16, 80).
+    calls.clear()
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 15])
+    assert result.largest_feasible == 16 and calls == [80, 15, 16, 18, 17]
