@@ -272,7 +272,7 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
             table = solver_table(record)
             if table:
                 out += table + [""]
-    out += planning_section()
+    out += planning_section(results.parent / PLANNING.name)
     return "\n".join(out).rstrip() + "\n"
 
 
