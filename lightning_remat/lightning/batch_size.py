@@ -331,11 +331,12 @@ class LightningTrial:
             reserved, seconds = [0], []
             grad_bytes = 0
             with _forward_replaced(self.target, forward):
-                if self.device.type == "cuda":
-                    # CUDA only: one unmeasured step first. The first run of a kernel at a
-                    # new shape allocates lasting caches (cuDNN workspaces, the optimizer's
-                    # state) that the allocator's counters would take for the step's peak;
-                    # the CPU meter counts tensor storage only, and the optimizer's state
+                if self.device.type == "cuda" or self.settings.budget_from_device:
+                    # One unmeasured step first on CUDA: the first run of a kernel at a new
+                    # shape allocates lasting caches (cuDNN workspaces, the optimizer's
+                    # state) that the allocator's counters would take for the step's peak,
+                    # and a budget read from free memory must see the optimizer's state. The
+                    # CPU meter counts tensor storage only, and the optimizer's state
                     # appears after the measured backward.
                     self._step(batch)
                     self._optimizer_step(optimizers)
