@@ -17,6 +17,10 @@ Lightning trial). This module holds what does not depend on Lightning:
 
 Objectives (Optuna multi-objective, both maximised): the batch size and the measured
 samples per second, so ``study.best_trials`` is the Pareto front of feasible trials.
+
+Length: the proposal rules (predictions, doubling, bisection), the sampler that reads them
+from the study, the prediction that runs the same rules on solves, and the driver that
+records verdicts share the bracket and the trial records, so they stay in one module.
 """
 
 from __future__ import annotations
