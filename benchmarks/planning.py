@@ -10,24 +10,32 @@ optimizer step) after a warm-up, then the wall time of
 - ``remat``: the whole ``lightning_remat.remat()`` call at 75% (trace, profile, solve, apply);
 
 each in seconds and in plain steps. With ``--search``, the batch-size search too: our
-``find_max_batch_size`` and Lightning's ``BatchSizeFinder(mode="binsearch")`` on the same
-model and the same memory cap (the plain step's measured peak at twice the base batch), with
-the trials each ran, the steps those trials took, the wall time in plain steps of the base
-batch, and the size each found. On the CPU nothing raises out-of-memory, so Lightning's
-finder is given one where a step's measured peak exceeds the cap, measured with the same
-meter as ours.
+``find_max_batch_size`` (solver ``auto``, no plain comparison) and Lightning's
+``BatchSizeFinder(mode="binsearch")`` on the same model and the same memory cap (the plain
+step's measured peak at twice the base batch), with the trials each ran, the training steps
+those trials ran, the whole search's wall time in plain steps of the base batch (ours
+includes profiling the shape family and every solve), and the size each found. On the CPU
+nothing raises out-of-memory, so Lightning's finder is given one where a step's measured
+peak exceeds the cap, measured with the same meter as ours.
 
-Run: ``python benchmarks/planning.py [--models gpt unet] [--search]`` (the vision models
-need torchvision). Prints a table with the machine, torch version and date.
+Goals (docs/design.md section 3 and 7): profile at most 5 plain steps on the CPU, the
+search at most 30, with fewer trials than BatchSizeFinder to the same or a larger size.
+
+Run: ``python benchmarks/planning.py [--models gpt unet] [--search] [--out PATH]`` (the
+vision models need torchvision). Prints a table with the machine, torch version and date,
+and writes the figures as JSON (default ``benchmarks/planning_results/<device>.json``),
+which ``benchmarks/render.py`` puts into RESULTS.md as the planning-cost table.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,9 +48,11 @@ if str(ROOT) not in sys.path:
 from benchmarks.run import SIZES, build  # noqa: E402
 
 MODELS = ["resnet50", "unet", "gpt"]
+OUT_DIR = ROOT / "benchmarks" / "planning_results"
 
 
-def _plain_step_seconds(model: Any, x: Any, repeats: int = 5) -> float:
+def _plain_step_seconds(model: Any, x: Any, repeats: int = 5) -> tuple[float, float]:
+    """The median plain step: wall seconds and this process's CPU seconds."""
     import torch
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -53,18 +63,23 @@ def _plain_step_seconds(model: Any, x: Any, repeats: int = 5) -> float:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # warm-up: kernels and the optimizer's state
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(seconds), statistics.median(cpu)
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
+def _timed(row: dict[str, Any], key: str, fn: Any) -> Any:
+    """Run ``fn``; ``row[key]``: its wall seconds, ``row[key + "_cpu"]``: this process's CPU
+    seconds (on a shared machine the CPU time is what other processes disturb least)."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     value = fn()
-    return time.perf_counter() - start, value
+    row[key] = time.perf_counter() - start
+    row[f"{key}_cpu"] = time.process_time() - start_cpu
+    return value
 
 
 def planning_costs(name: str) -> dict[str, Any]:
@@ -80,20 +95,19 @@ def planning_costs(name: str) -> dict[str, Any]:
     batch, size = SIZES["cpu"][name]
     model, x, _ = build(name, "cpu", batch, size)
     row: dict[str, Any] = {"model": name, "batch": batch, "size": size}
-    row["plain_step"] = _plain_step_seconds(copy.deepcopy(model), x)
-    row["trace"], traced = _timed(lambda: trace_module(model, x))
-    row["profile"], graph = _timed(lambda: profile_module(model, x, traced=traced))
+    row["plain_step"], row["plain_step_cpu"] = _plain_step_seconds(copy.deepcopy(model), x)
+    traced = _timed(row, "trace", lambda: trace_module(model, x))
+    graph = _timed(row, "profile", lambda: profile_module(model, x, traced=traced))
     budget = int(0.75 * plain_peak_bytes(graph))
-    row["solve"], plan = _timed(lambda: solve(graph, budget, "auto"))
+    plan = _timed(row, "solve", lambda: solve(graph, budget, "auto"))
     row["solver"] = plan.solver
-    row["remat"], _ = _timed(lambda: lightning_remat.remat(copy.deepcopy(model), x, memory_budget="75%"))
+    _timed(row, "remat", lambda: lightning_remat.remat(copy.deepcopy(model), x, memory_budget="75%"))
     return row
 
 
 def batch_search_costs(name: str) -> dict[str, Any]:
     """Our search and Lightning's binsearch on the same model and cap: trials, steps, time."""
     import pytorch_lightning as pl
-    import torch
     from pytorch_lightning.callbacks import BatchSizeFinder
     from pytorch_lightning.tuner import batch_size_scaling
 
@@ -120,17 +134,18 @@ def batch_search_costs(name: str) -> dict[str, Any]:
     xb = next(iter(probe))
     cap = peak_bytes(lambda: big.training_step(xb, 0).backward())
     row: dict[str, Any] = {"model": name, "cap_bytes": cap, "base_batch": batch}
-    row["plain_step"] = _plain_step_seconds(model, x)
+    row["plain_step"], row["plain_step_cpu"] = _plain_step_seconds(model, x)
     root = Path(os.environ.get("TMPDIR", "/tmp")) / f"lightning_remat_planning_{os.getpid()}"
 
-    started = time.perf_counter()
-    report = lightning_remat.find_max_batch_size(
+    report = _timed(row, "ours_seconds", lambda: lightning_remat.find_max_batch_size(
         trainer(root / "ours"), task(batch), memory_budget=cap, init_val=batch, steps_per_trial=1,
         compare_plain=False, progress_bar=False, storage=None,
-    )
-    row["ours_seconds"] = time.perf_counter() - started
+    ))
     row["ours_trials"] = len(report.remat.trials)
+    # One measured step per trial (steps_per_trial=1; the unmeasured warm-up runs on CUDA only).
+    row["ours_trial_steps"] = len(report.remat.trials)
     row["ours_found"] = report.remat.largest_feasible
+    row["ours_sizes"] = [r.batch_size for r in report.remat.trials]
 
     sizes_tried: list[int] = []
 
@@ -148,29 +163,45 @@ def batch_search_costs(name: str) -> dict[str, Any]:
     try:
         finder = BatchSizeFinder(mode="binsearch", init_val=batch, steps_per_trial=1, margin=0.0)
         finder._early_exit = True
-        started = time.perf_counter()
-        trainer(root / "lightning", [finder]).fit(task(batch))
-        row["lightning_seconds"] = time.perf_counter() - started
+        _timed(row, "lightning_seconds", lambda: trainer(root / "lightning", [finder]).fit(task(batch)))
     finally:
         batch_size_scaling._try_loop_run = original
     row["lightning_trials"] = len(sizes_tried)
+    row["lightning_trial_steps"] = len(sizes_tried)  # steps_per_trial=1
     row["lightning_found"] = finder.optimal_batch_size
-    del torch
+    row["lightning_sizes"] = sizes_tried
     return row
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--search", action="store_true", help="also time the batch-size search")
+    parser.add_argument("--out", type=Path, default=OUT_DIR / "cpu.json",
+                        help="where to write the figures as JSON (render.py reads them)")
     args = parser.parse_args(argv)
     import torch
 
-    print(f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; device: cpu")
+    record: dict[str, Any] = {
+        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "device": "cpu",
+        "torch": torch.__version__, "commit": _commit(), "load_average": os.getloadavg()[0],
+        "phases": [], "search": [],
+    }
+    print(f"date: {record['date']}")
+    print(f"machine: {record['machine']}; torch {torch.__version__}; device: cpu; "
+          f"load average {record['load_average']:.1f}")
     print()
-    header = (f"{'model':10} {'batch':>5} {'plain step':>11} {'trace':>13} {'profile':>13}"
-              f" {'solve (auto)':>13} {'remat() 75%':>13}")
+    header = (f"{'model':10} {'batch':>5} {'plain step':>11} {'trace':>19} {'profile':>19}"
+              f" {'solve (auto)':>19} {'remat() 75%':>19}")
     print(header)
     print("-" * len(header))
     for name in args.models:
@@ -179,18 +210,20 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"{name:10} skipped: {exc}")
             continue
+        record["phases"].append(row)
         step = row["plain_step"]
 
         def cell(key: str, row: dict[str, Any] = row, step: float = step) -> str:
-            return f"{row[key]:6.2f}s {row[key] / step:4.1f}x"
+            return f"{row[key]:6.2f}s {row[key] / step:4.1f}x {row[key + '_cpu'] / row['plain_step_cpu']:4.1f}c"
 
-        print(f"{name:10} {row['batch']:>5} {step:10.3f}s {cell('trace'):>13} {cell('profile'):>13}"
-              f" {cell('solve'):>13} {cell('remat'):>13}")
-    print("(Nx: seconds over the median plain training step at the same batch)")
+        print(f"{name:10} {row['batch']:>5} {step:10.3f}s {cell('trace'):>19} {cell('profile'):>19}"
+              f" {cell('solve'):>19} {cell('remat'):>19}")
+    print("(Nx: wall seconds over the median plain training step at the same batch; Nc: the same "
+          "in this process's CPU seconds)")
     if args.search:
         print()
-        header = (f"{'model':10} {'cap':>10} {'ours: trials':>12} {'found':>6} {'steps':>9}"
-                  f" {'lightning: trials':>18} {'found':>6} {'steps':>9}")
+        header = (f"{'model':10} {'cap':>10} {'ours: trials':>12} {'steps':>5} {'found':>6} {'time':>16}"
+                  f" {'lightning: trials':>18} {'steps':>5} {'found':>6} {'time':>16}")
         print(header)
         print("-" * len(header))
         for name in args.models:
@@ -199,12 +232,19 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError as exc:
                 print(f"{name:10} skipped: {exc}")
                 continue
+            record["search"].append(row)
             step = row["plain_step"]
             print(f"{name:10} {row['cap_bytes'] / 2**20:8.1f}Mi {row['ours_trials']:>12}"
-                  f" {row['ours_found']!s:>6} {row['ours_seconds'] / step:8.1f}x"
-                  f" {row['lightning_trials']:>18} {row['lightning_found']!s:>6}"
-                  f" {row['lightning_seconds'] / step:8.1f}x")
-        print("(steps: the search's wall time over the median plain step at the base batch)")
+                  f" {row['ours_trial_steps']:>5} {row['ours_found']!s:>6} {row['ours_seconds'] / step:8.1f}x"
+                  f" {row['ours_seconds_cpu'] / row['plain_step_cpu']:6.1f}c"
+                  f" {row['lightning_trials']:>18} {row['lightning_trial_steps']:>5}"
+                  f" {row['lightning_found']!s:>6} {row['lightning_seconds'] / step:8.1f}x"
+                  f" {row['lightning_seconds_cpu'] / row['plain_step_cpu']:6.1f}c")
+        print("(steps: training steps the trials ran; time: the whole search's wall time over the "
+              "median plain step at the base batch, x, and the same in CPU time, c)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\nwritten: {args.out}")
     return 0
 
 

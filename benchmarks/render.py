@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "benchmarks" / "plots"
 OUTPUT = ROOT / "benchmarks" / "RESULTS.md"
+PLANNING = ROOT / "benchmarks" / "planning_results"
 MODEL_ORDER = ["resnet50", "resnet101", "resnet152", "vgg19", "densenet121", "unet", "gpt"]
 TAG_ORDER = ["cuda", "cpu", "cpu-quick"]
 MiB = 2**20
@@ -526,6 +527,61 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
     return "\n".join(out).rstrip() + "\n"
 
 
+def _cpu_steps(row: dict[str, Any], key: str) -> str:
+    """``"; CPU 3.2"``: the same ratio in CPU seconds, when measured."""
+    if row.get(f"{key}_cpu") is None or not row.get("plain_step_cpu"):
+        return ""
+    return f"; CPU {row[f'{key}_cpu'] / row['plain_step_cpu']:.1f}"
+
+
+def planning_section(folder: Path = PLANNING) -> list[str]:
+    """The planning-cost tables from ``benchmarks/planning.py``'s JSON files (one per device):
+    what profiling, solving and the batch-size search cost before training starts, in plain
+    training steps."""
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    out: list[str] = []
+    for path in files:
+        record = json.loads(path.read_text())
+        out += [f"## Planning cost ({path.stem})", "",
+                f"{record['machine']}, torch {record['torch']}, measured {record['date']} at commit "
+                f"{record['commit']} (load average {record.get('load_average', 0):.1f}) by "
+                "`benchmarks/planning.py`. Each cell: seconds, and in brackets plain training steps "
+                "(the median plain step at the same batch) by wall time and by the process's CPU time "
+                "(less disturbed by other processes on a shared machine). Goals: profile at most 5 plain steps "
+                "on the CPU, the batch-size search at most 30.", ""]
+        if record.get("phases"):
+            out += ["| model | batch | plain step | trace | profile | solve (auto) | remat() at 75% |",
+                    "|---|---:|---:|---:|---:|---:|---:|"]
+            for row in record["phases"]:
+                step = row["plain_step"]
+
+                def cell(key: str, row: dict[str, Any] = row, step: float = step) -> str:
+                    return f"{row[key]:.2f} s ({row[key] / step:.1f}{_cpu_steps(row, key)})"
+
+                out.append(f"| {row['model']} | {row['batch']} | {step:.3f} s | {cell('trace')} | "
+                           f"{cell('profile')} | {cell('solve')} | {cell('remat')} |")
+            out.append("")
+        if record.get("search"):
+            out += ["Batch-size search on the same memory cap (the plain step's peak at twice the "
+                    "base batch): ours (`find_max_batch_size`, solver `auto`) beside Lightning's "
+                    "`BatchSizeFinder(mode=\"binsearch\")`. *steps*: training steps the trials ran; "
+                    "*time*: the whole search, in plain steps at the base batch.", "",
+                    "| model | cap MiB | ours: trials | steps | largest | time | Lightning: trials | steps "
+                    "| largest | time |",
+                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for row in record["search"]:
+                step = row["plain_step"]
+                out.append(
+                    f"| {row['model']} | {row['cap_bytes'] / MiB:.1f} | {row['ours_trials']} | "
+                    f"{row['ours_trial_steps']} | {row['ours_found']} | {row['ours_seconds']:.1f} s "
+                    f"({row['ours_seconds'] / step:.1f}{_cpu_steps(row, 'ours_seconds')}) | "
+                    f"{row['lightning_trials']} | {row['lightning_trial_steps']} | {row['lightning_found']} | "
+                    f"{row['lightning_seconds']:.1f} s ({row['lightning_seconds'] / step:.1f}"
+                    f"{_cpu_steps(row, 'lightning_seconds')}) |")
+            out.append("")
+    return out
+
+
 # The sections of RESULTS.md, in order; each returns its lines (none: the section is left out).
 # Per results folder (a tag), after its plot: f(tag, records).
 TAG_SECTIONS: list[Callable[[str, list[dict[str, Any]]], list[str]]] = [
@@ -543,7 +599,12 @@ def distributed_section(results: Path) -> list[str]:
     return render_section(results.parent / "results-distributed")
 
 
-DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [distributed_section]
+def planning_results_section(results: Path) -> list[str]:
+    """The planning-cost tables ``benchmarks/planning.py`` measured (its own results folder)."""
+    return planning_section(results.parent / PLANNING.name)
+
+
+DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section]
 
 
 README = ROOT / "README.md"

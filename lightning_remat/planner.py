@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_remat.budget import parse_budget, validate_budget
+from lightning_remat.budget import format_bytes, parse_budget, validate_budget
 from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change
 from lightning_remat.device import (
     default_budget,
@@ -285,7 +287,7 @@ class PlanSettings:
     None (free device memory less a margin on CUDA, no limit elsewhere)."""
     solver: str = "auto"
     profile_repeats: int = 3
-    """Measured repeats when profiling."""
+    """The most timed steps when profiling (a second runs only while op times vary)."""
     safe_profile: bool = False
     """Profile op by op, so profiling fits where a plain step would not."""
     offload: bool = True
@@ -368,6 +370,10 @@ class Planner:
     checkpoint, its cache or a new profile) and broadcasts the plan, and every rank applies
     the plan for its own key. ``on_plan(planned)``: called after each new plan.
     ``keep_example``: keep each planned call on the host for :meth:`Planned.measure_timeline`.
+    ``profiler(module, args, kwargs, traced) -> Graph``: the graph of a call that no store
+    holds (default: :func:`~lightning_remat.graph.profile.profile_module`; the batch-size
+    search passes graphs derived by :mod:`lightning_remat.graph.scale`). ``progress(line)``:
+    told each planning phase as it starts, and a summary when a plan is made.
     """
 
     def __init__(
@@ -380,8 +386,12 @@ class Planner:
         ranks: Ranks | None = None,
         on_plan: Callable[[Planned], None] | None = None,
         keep_example: bool = False,
+        profiler: Profiler | None = None,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.module = module
+        self.profiler = profiler
+        self.progress = progress
         self.settings = settings or PlanSettings()
         self.cache = cache
         self.restored = restored if restored is not None else {}
@@ -395,6 +405,7 @@ class Planner:
         """The plan of the latest training call."""
         self.busy = False
         """True while planning: a forward the strategy wraps must then run plainly."""
+        self._plan_started: float | None = None
         check_solver_for_device(self.settings.solver, module_device(module))
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
@@ -552,6 +563,9 @@ class Planner:
         module, settings = self.module, self.settings
         device = module_device(module, args)
         options = solver_options(settings.solver, device, settings.offload)
+        self._plan_started = time.perf_counter()
+        if self.progress is not None:
+            self.progress("trace: the forward's graph")
         with preserved_state(module, [device]):
             traced = trace_module(module, args, kwargs)
         basis = PlanBasis(
@@ -591,22 +605,31 @@ class Planner:
         device = module_device(module, args)
         if before_profile is not None:
             before_profile()
-        graph = profile_module(
-            module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
-            safe=settings.safe_profile, traced=traced,
-        )
+        note = self.progress or (lambda line: None)
+        started = self._plan_started or time.perf_counter()
+        if self.profiler is not None:
+            graph = self.profiler(module, args, kwargs, traced)
+        else:
+            graph = profile_module(
+                module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
+                safe=settings.safe_profile, traced=traced, progress=note,
+            )
         # The gradients' state is the run's own: a loop that keeps them plans for that.
         graph.meta.grads_resident = grads_resident(module)
         # The offloading solvers (and "auto", which ends with them) need beta.
         if graph.meta.bandwidth_bytes_per_s is None:
             graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
+        profiled = time.perf_counter()
         budget = settings.budget_bytes(graph, device)
         options = solver_options(settings.solver, device, settings.offload)
+        note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
         plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
         if traced.kind == CHILDREN:  # each submodule checkpointed on its own
             plan = per_submodule_plan(graph, plan, budget)
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
+        note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
+                              profiled - started, "derived" if self.profiler is not None else "profile"))
         return graph, plan, False
 
     def _restored_for(self, key_text: str, basis: PlanBasis) -> tuple[StoredPlan | None, bool]:
@@ -653,6 +676,19 @@ def _raise_shared_error(payload: tuple, owner: int) -> None:
                        "every rank stops with it")
 
 
+Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
+"""Gives the graph of one call: ``(module, args, kwargs, traced) -> Graph``."""
+
+
+def planning_summary(seconds: float, step_seconds: float | None, profile_seconds: float | None = None,
+                     profile_label: str = "profile") -> str:
+    """One line: the time planning took, in seconds and in plain steps (``step_seconds``:
+    the plain step's time, None when unknown)."""
+    steps = f" ({seconds / step_seconds:.1f} plain steps)" if step_seconds else ""
+    parts = f"; {profile_label} {profile_seconds:.1f} s" if profile_seconds is not None else ""
+    return f"planning took {seconds:.1f} s{steps}{parts}"
+
+
 _PlanMaker = Callable[[tuple, dict, InputKey, Traced, PlanBasis], tuple[Graph, Plan, bool]]
 """Makes the graph and plan of one input (``Planner._plan_locally``, or that and a broadcast)."""
 
@@ -663,6 +699,7 @@ def remat(
     memory_budget: int | float | str | None = None,
     solver: str = "auto",
     device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> RematModule:
     """``module`` rematerialized to train within ``memory_budget``.
 
@@ -672,6 +709,8 @@ def remat(
     plain peak); None means the device's free memory on CUDA and no limit on CPU (the result
     then runs the plain plan, with its profile in ``.graph``). ``device``: where to profile
     and train (the module is moved there; default: where its parameters are).
+    ``progress``: write one line to stderr as each planning phase starts (trace, profile,
+    solve) and a last one with the time planning took, in seconds and in plain steps.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a
@@ -693,7 +732,8 @@ def remat(
     else:
         inputs, kwargs = (example_input,), {}
     inputs, kwargs = move_to_device(inputs, target), move_to_device(kwargs, target)
-    planner = Planner(module, settings)
+    planner = Planner(module, settings,
+                      progress=(lambda line: print(f"lightning-remat: {line}", file=sys.stderr, flush=True)) if progress else None)
     planner.last = planner.planned_for(inputs, kwargs)
     planner.remat_module.set_current(planner.last.variant)
     return planner.remat_module

@@ -20,9 +20,10 @@ Lightning trial). This module holds what does not depend on Lightning:
 Objectives (Optuna multi-objective, both maximised): the batch size and the measured
 samples per second, so ``study.best_trials`` is the Pareto front of feasible trials.
 
-Length: the sampler, the study's driver (on one process or across ranks) and the records
-they read back share the study's layout (one parameter, the ``result`` and ``feasible``
-attributes, the constraint), so they stay in one module.
+Length: the proposal rules (predictions, doubling, bisection), the sampler that reads them
+from the study, the prediction that runs the same rules on solves, the driver that records
+verdicts (on one process or across ranks) and the records they read back share the bracket,
+the study's layout and the trial records, so they stay in one module.
 """
 
 from __future__ import annotations
@@ -144,9 +145,17 @@ def bracket(records: Sequence[tuple[int, bool]]) -> Bracket:
 
 
 def next_batch_size(
-    records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1
+    records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1,
+    hint: int | Sequence[int] | None = None,
 ) -> int | None:
     """The next size to try, or None when the answer is known.
+
+    ``hint``: the size predicted to be the largest that fits (:func:`predict_largest`), or
+    several predictions, most hopeful first. Each still inside the bracket is tried, then a
+    prediction's neighbour when the prediction is an end of the bracket (``granularity``
+    above the largest fitting size, else below the smallest failing one): a right
+    prediction closes the bracket in two trials. After them the rules below go on from
+    the trials so far.
 
     Doubling phase (no infeasible size yet): ``init_val``, then twice the largest feasible
     size, capped at ``max_val``. Bisection phase: the midpoint of the bracket, until the
@@ -157,6 +166,27 @@ def next_batch_size(
     """
     br = bracket(records)
     lo, hi = br.largest_feasible, br.smallest_infeasible
+    if hi is not None and hi - lo <= granularity:
+        return None
+    verdicts = dict(records)
+
+    def open_(size: int) -> bool:  # inside the bracket, so its verdict would be news
+        return 1 <= size <= max_val and size > lo and (hi is None or size < hi) and size not in verdicts
+
+    guesses = [min(max(g, 1), max_val) for g in ([] if hint is None else [hint] if isinstance(hint, int) else hint)]
+    for guess in guesses:
+        if open_(guess):
+            return guess
+    # A prediction that fit: from the bracket's fitting end, its neighbour, then steps
+    # doubling with the distance already covered (rather than bisect a bracket a wrong
+    # prediction opened). None fit: the neighbour below a prediction that failed.
+    fitting = [g for g in guesses if verdicts.get(g) and g <= lo]
+    if fitting:
+        gallop = lo + max(granularity, 2 * (lo - max(fitting)))
+        if open_(gallop):
+            return gallop
+    if not fitting and hi in guesses and open_(hi - granularity):
+        return hi - granularity
     if hi is None:
         if lo == 0:
             return min(init_val, max_val)
@@ -186,8 +216,9 @@ class BisectionSampler(BaseSampler):
     """
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
-                 fallback: BaseSampler | None = None) -> None:
+                 fallback: BaseSampler | None = None, hint: int | Sequence[int] | None = None) -> None:
         check_search_args(init_val, max_val, granularity)
+        self.hint = hint
         self.init_val = init_val
         self.max_val = max_val
         self.granularity = granularity
@@ -203,7 +234,7 @@ class BisectionSampler(BaseSampler):
     def proposal(self, study: Study) -> int | None:
         """The size the next trial will get (None: the search is finished)."""
         pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
-        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity)
+        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, self.hint)
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
@@ -215,6 +246,21 @@ class BisectionSampler(BaseSampler):
             proposed = max(1, bracket([(r.batch_size, r.feasible) for r in finished_records(study)]).largest_feasible)
         assert isinstance(param_distribution, IntDistribution)
         return int(min(max(proposed, param_distribution.low), param_distribution.high))
+
+
+def predict_largest(fits: Callable[[int], bool], init_val: int, max_val: int,
+                    granularity: int = 1) -> int | None:
+    """The largest size ``fits(size)`` accepts, found by the search's own steps (double from
+    ``init_val``, then bisect) on a prediction instead of a measurement: ``fits`` solves
+    the graph derived for that size (:mod:`lightning_remat.graph.scale`), so each step costs
+    a solve, not a training step. None when not even the smallest size tried fits."""
+    check_search_args(init_val, max_val, granularity)
+    records: list[tuple[int, bool]] = []
+    while (size := next_batch_size(records, init_val, max_val, granularity)) is not None:
+        records.append((size, bool(fits(size))))
+        if size == 1 and not records[-1][1]:
+            break
+    return bracket(records).largest_feasible or None
 
 
 def check_search_args(init_val: int, max_val: int, granularity: int) -> None:
@@ -280,6 +326,7 @@ def run_search(
     label: str = "remat",
     solver: str = "",
     progress_bar: bool = False,
+    hint: int | Sequence[int] | None = None,
 ) -> SearchResult:
     """Find the largest batch size ``trial_fn`` calls feasible (exact within ``granularity``).
 
@@ -291,7 +338,7 @@ def run_search(
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = BisectionSampler(init_val, max_val, granularity)
+    sampler = BisectionSampler(init_val, max_val, granularity, hint=hint)
     study, storage_used = _load_study(storage, study_name, sampler)
     _fail_stale_trials(study, storage_used, label)
 

@@ -19,6 +19,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.ir",),
     ("graph.trace",),
     ("graph.profile",),
+    ("graph.scale",),
     ("solvers.plan",),
     ("solvers.simulate",),
     ("solvers.chen", "solvers.feng", "solvers.hong", "solvers.kusumoto", "solvers.beaumont"),

@@ -9,6 +9,7 @@ from lightning_remat.device import is_out_of_memory
 from lightning_remat.graph import profile as profile_mod
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.trace import trace_module
 from tests import models
 
 F32 = 4
@@ -177,7 +178,7 @@ def test_out_of_memory_falls_back_to_safe_mode(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(profile_mod, "_plain_steps", out_of_memory)
+    monkeypatch.setattr(profile_mod, "_plain_peak", out_of_memory)
     model, x = models.residual_cnn(), torch.randn(2, 3, 8, 8)
     with pytest.warns(UserWarning, match="out of memory.*memory-safe"):
         graph = _fast(model, x)
@@ -190,7 +191,7 @@ def test_other_errors_are_not_taken_for_out_of_memory(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("shape mismatch")
 
-    monkeypatch.setattr(profile_mod, "_plain_steps", broken)
+    monkeypatch.setattr(profile_mod, "_plain_peak", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         _fast(models.mlp(), torch.randn(2, 16))
     assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
@@ -361,3 +362,51 @@ def test_one_out_of_memory_test_knows_every_allocator():
     assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if"))
     assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def _record(**times):
+    record = profile_mod._Record()
+    for vid, t in times.items():
+        record.t_fwd[vid] = t
+    return record
+
+
+def test_a_timed_step_repeats_only_while_op_times_vary():
+    """One timed step where one will do: a second only when the time in doubt could move
+    a plan (docs/design.md section 3)."""
+    metered = _record(a=1.2, b=2.2)  # the metered step: the meter's cost on every op
+    assert profile_mod._time_in_doubt([_record(a=1.0, b=2.0)], metered, None) == 0.0
+    disturbed = profile_mod._time_in_doubt([_record(a=1.0, b=3.0)], metered, None)
+    assert disturbed == pytest.approx(0.8 / 4.0)  # b ran slower than under the meter
+    # Two timed steps: the ops that moved by more than a quarter carry the doubt.
+    steady = [_record(a=1.0, b=2.0), _record(a=1.05, b=2.1)]
+    assert profile_mod._time_in_doubt(steady, None, None) == 0.0
+    varying = [_record(a=1.0, b=2.0), _record(a=1.05, b=3.0)]
+    assert profile_mod._time_in_doubt(varying, None, None) == pytest.approx(3.0 / 4.05)
+    # CUDA (no metered step): the ops' sum against the plain step they are part of.
+    assert profile_mod._time_in_doubt([_record(a=1.0, b=2.0)], None, 3.5) == 0.0
+    assert profile_mod._time_in_doubt([_record(a=1.0, b=3.0)], None, 3.0) == pytest.approx(0.25)
+
+
+def test_profile_counts_its_steps(monkeypatch):
+    """The normal mode on the CPU: one plain step in the meter, one instrumented step in the
+    meter, timed steps only while times vary (none vary here), and one no-grad forward at
+    another batch size."""
+    monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 0.0)
+    model = models.mlp()
+    calls = []
+    model.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
+    x = torch.randn(8, 16)
+    traced = trace_module(model, x)
+    calls.clear()
+    phases = []
+    profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
+    # The instrumented steps and the batch-size probe run the traced copy's code; the
+    # model's own forward runs once, for the plain step.
+    assert calls == [True]
+    assert phases[0] == "profile: the plain step's peak"
+    assert sum("times" in p or "timing again" in p for p in phases) == 1
+    monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 1.0)
+    phases.clear()
+    profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
+    assert sum("times" in p or "timing again" in p for p in phases) == 3

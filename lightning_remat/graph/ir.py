@@ -32,7 +32,8 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 - ``input_bytes``: bytes of the step's inputs (resident, not part of the budget);
 - ``plain_peak_bytes``: the measured peak of one plain step, from a state without gradients
   (absent in safe mode);
-- ``step_seconds``: the median plain step (in safe mode the sum of the vertex times);
+- ``step_seconds``: the plain step's time (CUDA: the metered plain step; CPU: the fastest timed
+  instrumented step's wall time; in safe mode the sum of the vertex times);
 - ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size
   (absent: every vertex's do);
 - ``saved_refs``: ``{id: [ids]}`` the vertex outputs whose storage the op saves for backward

@@ -682,11 +682,12 @@ def profile_module(
     example_inputs: Any,
     *,
     loss_fn: LossFn | None = None,
-    warmup: int = 1,
+    warmup: int | None = None,
     repeats: int = 3,
     safe: bool = False,
     traced: Traced | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Graph:
     """Trace (unless ``traced`` is given) and profile ``module`` on its device.
 
@@ -699,7 +700,18 @@ def profile_module(
     :func:`~lightning_remat.meter.peak_bytes`; None in safe mode), ``step_seconds``,
     ``batch_dependent``, ``saved_refs``, ``saved_input_bytes``, ``aliases``,
     ``requires_grad``, ``resident_views`` and ``safe``.
+
+    Normal mode runs ``warmup`` plain steps (default: 1 on CUDA; 0 on the CPU, where the
+    metered step is the first and its storage counts do not depend on warm caches), one
+    plain step inside the meter (the plain peak), on the CPU one instrumented step inside
+    the meter (bytes and workspaces), then timed instrumented steps: the first, and more
+    (up to ``repeats``) only while op times vary enough to change a plan
+    (docs/design.md section 3). An op's time is its fastest timed measurement. Safe mode
+    measures each op ``warmup`` (default 1) + ``repeats`` times and takes the median.
+    ``progress(line)``: called with a short line as each phase starts.
     """
+    if warmup is None:
+        warmup = 1 if safe or module_device(module).type == "cuda" else 0
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = as_tuple(example_inputs)
@@ -737,11 +749,15 @@ def profile_module(
     with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
         fallback_reason = ""
         records: list[_Record] = []
+        note = progress or (lambda line: None)
         if not safe:
             try:
-                meta.plain_peak_bytes, meta.step_seconds = _plain_steps(
-                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup, repeats)
-                records = _profile_steps(make, loss_fn, grad_holders, warmup, repeats, device)
+                note("profile: the plain step's peak")
+                meta.plain_peak_bytes, plain_seconds = _plain_peak(
+                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
+                first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
+                                                      plain_seconds, note)
+                meta.step_seconds = plain_seconds or wall
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -757,12 +773,17 @@ def profile_module(
         if safe:
             meta.plain_peak_bytes = None
             meta.step_seconds = None
+            note("profile: each op alone (memory-safe mode)")
             records = _profile_safe(make, grad_holders, warmup, repeats, device)
+            first = records[0]
         _clear_grads(grad_holders)
-        first = records[0]
+        note("profile: which sizes grow with the batch")
         meta.batch_dependent = _batch_dependence(traced, module, inputs, kwargs, batch,
                                                  first.numel, device)
 
+    # Timed steps in normal mode: the fastest (a disturbance only adds time); safe mode's
+    # rounds: the median.
+    combine = statistics.median if safe else min
     nodes = []
     for node in traced.graph.nodes:
         vid = node.id
@@ -770,10 +791,10 @@ def profile_module(
             node,
             mem=first.mem.get(vid, 0),
             saved=sum(first.saved_ptrs.get(vid, {}).values()),
-            t_fwd=statistics.median(r.t_fwd.get(vid, 0.0) for r in records),
-            t_bwd=statistics.median(r.t_bwd.get(vid, 0.0) for r in records),
-            ws_fwd=max(r.ws_fwd.get(vid, 0) for r in records),
-            ws_bwd=max(r.ws_bwd.get(vid, 0) for r in records),
+            t_fwd=combine(r.t_fwd.get(vid, 0.0) for r in records),
+            t_bwd=combine(r.t_bwd.get(vid, 0.0) for r in records),
+            ws_fwd=max(r.ws_fwd.get(vid, 0) for r in [first, *records]),
+            ws_bwd=max(r.ws_bwd.get(vid, 0) for r in [first, *records]),
         ))
     meta.saved_refs = {vid: list(first.saved_refs.get(vid, [])) for vid in traced.graph.ids}
     meta.saved_input_bytes = {vid: b for vid, b in first.saved_input.items() if b}
@@ -797,11 +818,13 @@ def _backward(loss: torch.Tensor) -> None:
     loss.backward()
 
 
-def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
-                 device: torch.device, grad_holders: list[torch.Tensor], warmup: int,
-                 repeats: int) -> tuple[int, float]:
-    """Plain forward+backward steps after the warm-up: the measured peak and the median
-    step time (``meta.plain_peak_bytes``, ``meta.step_seconds``)."""
+def _plain_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
+                device: torch.device, grad_holders: list[torch.Tensor],
+                warmup: int) -> tuple[int, float | None]:
+    """Plain forward+backward steps: ``warmup`` unmeasured, then one inside the meter
+    (``meta.plain_peak_bytes``). On CUDA the allocator's counters cost the step nothing, so
+    its time is the plain step's (``meta.step_seconds``); on the CPU the storage meter's
+    per-op cost is in it, so no time is returned."""
     clock = _Clock(device)
 
     def step() -> None:
@@ -810,42 +833,87 @@ def _plain_steps(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
     for _ in range(warmup):
         step()
         _clear_grads(grad_holders)
-    peak = peak_bytes(step, device)  # collects garbage first
+    start = time.perf_counter()
+    peak = peak_bytes(step, device)  # collects garbage first (CPU)
+    clock.sync()
+    seconds = time.perf_counter() - start if device.type == "cuda" else None
     _clear_grads(grad_holders)
-    seconds = []
-    for _ in range(repeats):
-        clock.sync()
-        start = time.perf_counter()
-        step()
-        clock.sync()
-        seconds.append(time.perf_counter() - start)
-        _clear_grads(grad_holders)
-    return int(peak), statistics.median(seconds)
+    return int(peak), seconds
+
+
+_UNSETTLED_SHARE = 0.05
+"""Timed steps repeat while the time in doubt is above this share of the step."""
+_VARIES = 0.25
+"""An op whose two timings differ by more than this fraction varies across steps."""
+
+
+def _op_times(record: _Record) -> dict[str, float]:
+    return {vid: record.t_fwd.get(vid, 0.0) + record.t_bwd.get(vid, 0.0)
+            for vid in set(record.t_fwd) | set(record.t_bwd)}
+
+
+def _time_in_doubt(timed: list[_Record], upper: _Record | None, step_seconds: float | None) -> float:
+    """Seconds of the step whose measurement another timed step could change, as a share
+    of the step. With two timed steps or more: the time of the ops whose latest timing
+    differs from their fastest by more than :data:`_VARIES`. With one: on the CPU, the time
+    by which an op ran slower than in the metered step (which carries the meter's per-op
+    cost on top, so an undisturbed op is never slower without it); on CUDA, the time by
+    which the ops' sum exceeds the plain step they are part of."""
+    latest = _op_times(timed[-1])
+    total = sum(latest.values()) or 1e-12
+    if len(timed) >= 2:
+        fastest = {vid: min(_op_times(r).get(vid, 0.0) for r in timed[:-1]) for vid in latest}
+        doubt = sum(t for vid, t in latest.items()
+                    if abs(t - fastest[vid]) > _VARIES * max(fastest[vid], 1e-9))
+        return doubt / total
+    if upper is not None:
+        bound = _op_times(upper)
+        return sum(max(0.0, t - bound.get(vid, t)) for vid, t in latest.items()) / total
+    if step_seconds:
+        return max(0.0, total - step_seconds) / total
+    return 0.0
 
 
 def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss_fn: LossFn,
-                   grad_holders: list[torch.Tensor], warmup: int, repeats: int,
-                   device: torch.device) -> list[_Record]:
-    """Normal mode: whole steps, each op measured as the forward reaches it. On the CPU the
-    workspaces come from one more step under the storage meter, so its per-op cost is in
-    no timing."""
+                   grad_holders: list[torch.Tensor], repeats: int, device: torch.device,
+                   plain_seconds: float | None,
+                   note: Callable[[str], None]) -> tuple[_Record, list[_Record], float]:
+    """Normal mode: instrumented steps, each op measured as the forward reaches it
+    (docs/design.md section 3). Returns the record whose bytes count (CPU: a step under
+    the storage meter, whose workspaces it reads; CUDA: the first timed step, whose
+    workspaces come from the allocator's counters), the timed records, and the fastest
+    timed step's wall time. A timed step repeats, up to ``repeats``, only while the time in
+    doubt (:func:`_time_in_doubt`) is above :data:`_UNSETTLED_SHARE` of the step: one
+    timed step where one will do."""
 
-    def step(meter: StorageMeter | None = None) -> _Record:
+    def step(meter: StorageMeter | None = None) -> tuple[_Record, float]:
         profiler, run = make(meter=meter)
+        start = time.perf_counter()
         loss = loss_fn(run())
         _backward(loss)
         profiler.record.resolve(profiler.clock)
+        seconds = time.perf_counter() - start
         profiler.timer.clear()
         del loss
         _clear_grads(grad_holders)
-        return profiler.record
+        return profiler.record, seconds
 
-    records = [step() for _ in range(warmup + repeats)][warmup:]
+    metered: _Record | None = None
     if device.type != "cuda":
+        note("profile: the step's bytes, op by op")
         with StorageMeter(device.type) as meter:
-            metered = step(meter)
-        records[0].ws_fwd, records[0].ws_bwd = metered.ws_fwd, metered.ws_bwd
-    return records
+            metered, _ = step(meter)
+    timed: list[_Record] = []
+    walls: list[float] = []
+    while len(timed) < repeats:
+        note("profile: the step's times, op by op" if not timed else
+             f"profile: op times varied, timing again ({len(timed) + 1} of at most {repeats})")
+        record, wall = step()
+        timed.append(record)
+        walls.append(wall)
+        if _time_in_doubt(timed, metered, plain_seconds) <= _UNSETTLED_SHARE:
+            break
+    return metered if metered is not None else timed[0], timed, min(walls)
 
 
 def _profile_safe(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]],

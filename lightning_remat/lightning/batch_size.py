@@ -55,19 +55,36 @@ from torch import nn
 
 from lightning_remat.budget import parse_budget
 from lightning_remat.cache import PlanCache, default_cache_dir
-from lightning_remat.device import default_budget, move_to_device, preserved_training_state
-from lightning_remat.graph.trace import local_bytes
+from lightning_remat.device import (
+    default_budget,
+    move_to_device,
+    preserved_state,
+    preserved_training_state,
+)
+from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.scale import check_family, derive_graph
+from lightning_remat.graph.trace import Traced, local_bytes, trace_module
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
-from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, world_size
+from lightning_remat.planner import (
+    DistributedRanks,
+    Planned,
+    Planner,
+    PlanSettings,
+    planning_summary,
+    solver_options,
+    world_size,
+)
 from lightning_remat.report import BatchSizeReport
-from lightning_remat.solvers import SOLVERS
+from lightning_remat.solvers import SOLVERS, fits, get_solver, simulate
 from lightning_remat.tuning import (
     SearchResult,
     TrialFn,
     TrialResult,
     check_search_args,
     default_storage,
+    predict_largest,
     run_search,
     run_search_across_ranks,
     study_name_for,
@@ -182,9 +199,12 @@ class LightningTrial:
     With ``solver="plain"`` the model's own forward runs; otherwise a
     :class:`~lightning_remat.planner.Planner` for ``solver`` and the search's budget plans
     the target (profiling happens outside the
-    measurement) and the steps run the planned module. After one unmeasured warm-up step,
-    each of ``steps_per_trial`` steps is forward + backward inside the meter, then the
-    optimizer step; the state is restored afterwards.
+    measurement) and the steps run the planned module. With a shape family
+    (:meth:`profile_family`) the planner is given the graph derived for the trial's size
+    (:func:`~lightning_remat.graph.scale.derive_graph`) instead of profiling: a trial costs
+    one solve and its measured steps. On CUDA one unmeasured warm-up step runs first; each
+    of ``steps_per_trial`` steps is forward + backward inside the meter, then the optimizer
+    step; the state is restored afterwards.
     """
 
     def __init__(
@@ -202,6 +222,9 @@ class LightningTrial:
         self.target = strategy.target_module(model) if isinstance(strategy, RematHooks) else (
             model.get_submodule(settings.target) if settings.target else model)
         self.device = strategy.root_device
+        self.family: list[Graph] = []
+        """Profiles of the target at one or two batch sizes (:meth:`profile_family`)."""
+        self._size = 0
 
     def batch(self, batch_size: int) -> Any:
         """A training batch of exactly ``batch_size`` samples on the device."""
@@ -227,6 +250,51 @@ class LightningTrial:
             "training_step never called the module being planned; pass target= naming the "
             "submodule that training_step runs"
         )
+
+    def profile_family(self, sizes: list[int]) -> list[Graph]:
+        """Profile the target at each of ``sizes`` (the state restored after each), keep the
+        profiles as this trial's shape family and return them; none when the traced graph
+        differs between the sizes (then every trial profiles its own size)."""
+        model = self.model
+        family = []
+        with (
+            preserved_training_state(model), _logging_muted(model), _forward_replaced(self.target, None),
+        ):
+            model.train()
+            for size in sizes:
+                args, kwargs = self._capture_call(self.batch(size))
+                with preserved_state(self.target, [self.device]):
+                    traced = trace_module(self.target, args, kwargs)
+                graph = profile_module(
+                    self.target, args, example_kwargs=kwargs or None, traced=traced,
+                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile)
+                # Scaled in the search's own unit: the batch size it sets, whatever the
+                # first dimension of the target's input is.
+                graph.meta.batch_size = size
+                family.append(graph)
+                del args, kwargs
+        try:
+            check_family(family)
+        except ValueError:
+            family = []  # the traced graph changes with the batch size: every trial profiles
+        self.family = family
+        return family
+
+    def derived(self, batch_size: int) -> Graph:
+        """The graph at ``batch_size`` derived from the shape family."""
+        return derive_graph(self.family, batch_size)
+
+    def _graph_for_trial(self, module: nn.Module, args: tuple, kwargs: dict, traced: Traced) -> Graph:
+        """The planner's profiler in a trial: the derived graph when the traced forward is
+        the family's, a real profile otherwise."""
+        if self.family and traced.graph.graph_hash() == self.family[0].graph_hash() \
+                and traced.graph.ids == self.family[0].ids:
+            graph = self.derived(self._size)
+            graph.meta.bandwidth_bytes_per_s = self.family[-1].meta.bandwidth_bytes_per_s
+            return graph
+        return profile_module(module, args, example_kwargs=kwargs or None, traced=traced,
+                              repeats=self.settings.plan.profile_repeats,
+                              safe=self.settings.plan.safe_profile)
 
     def _step(self, batch: Any) -> None:
         with self.trainer.precision_plugin.train_step_context():
@@ -268,6 +336,7 @@ class LightningTrial:
         ):
             model.train()
             batch = self.batch(batch_size)
+            self._size = batch_size
             forward = None
             if self.solver != PLAIN:
                 args, kwargs = self._capture_call(batch)
@@ -275,6 +344,7 @@ class LightningTrial:
                     self.target, dataclasses.replace(self.settings.plan, solver=self.solver),
                     cache=PlanCache(self.settings.cache_dir / "plans.sqlite"),
                     ranks=DistributedRanks() if world_size() > 1 else None,  # rank zero plans
+                    profiler=self._graph_for_trial if self.family else None,
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
@@ -282,11 +352,15 @@ class LightningTrial:
             reserved, seconds = [0], []
             grad_bytes = 0
             with _forward_replaced(self.target, forward):
-                # One unmeasured step first: the first run of a kernel at a new shape
-                # allocates lasting caches (oneDNN primitives, cuDNN workspaces, the
-                # optimizer's state) that are not part of a step's peak.
-                self._step(batch)
-                self._optimizer_step(optimizers)
+                if self.device.type == "cuda" or self.settings.budget_from_device:
+                    # One unmeasured step first on CUDA: the first run of a kernel at a new
+                    # shape allocates lasting caches (cuDNN workspaces, the optimizer's
+                    # state) that the allocator's counters would take for the step's peak,
+                    # and a budget read from free memory must see the optimizer's state. The
+                    # CPU meter counts tensor storage only, and the optimizer's state
+                    # appears after the measured backward.
+                    self._step(batch)
+                    self._optimizer_step(optimizers)
                 # Once the optimizer state exists, what is left is what a step may use.
                 budget_bytes = default_budget(self.device) if self.settings.budget_from_device else self.budget_bytes
                 for _ in range(self.steps_per_trial):
@@ -433,7 +507,8 @@ class RematBatchSizeFinder(Callback):
         )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
-                solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str) -> SearchResult:
+                solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str,
+                hint: int | list[int] | None = None) -> SearchResult:
         storage = self.storage or default_storage(trainer.default_root_dir)
         name = study_name_for(pl_module, settings.device, settings.budget_bytes, solver, sample_shape)
         if self.study_name:
@@ -441,11 +516,41 @@ class RematBatchSizeFinder(Callback):
         search_args = dict(
             init_val=init_val, max_val=self.max_val, granularity=self.granularity,
             max_trials=self.max_trials, storage=storage, study_name=name, label=label,
-            solver=solver, progress_bar=self.progress_bar,
+            solver=solver, progress_bar=self.progress_bar, hint=hint,
         )
         if world_size() > 1:
             return run_search_across_ranks(trial_fn, DistributedRanks(), **search_args)
         return run_search(trial_fn, **search_args)
+
+    def _predict(self, trial: TrialFn, solver: str, settings: SearchSettings, init_val: int) -> int | None:
+        """The largest size predicted to fit, from the graphs the shape family gives each
+        size (None without a family): plain training by the plain peak fitted to the
+        profiles, a solver by whether its plan for the derived graph fits the budget."""
+        if not isinstance(trial, LightningTrial) or not trial.family:
+            return None
+        budget = settings.budget_bytes
+        options = solver_options(solver, settings.device, settings.plan.offload)
+
+        def predicted_fit(size: int) -> bool:
+            graph = trial.derived(size)
+            if solver == PLAIN:
+                peak = graph.meta.plain_peak_bytes or simulate(graph).peak_bytes
+                return peak <= budget
+            return fits(get_solver(solver)(graph, budget, **options), budget)
+
+        return predict_largest(predicted_fit, init_val, self.max_val, self.granularity)
+
+    def family_sizes(self) -> list[int]:
+        """The batch sizes the shape family is profiled at: ``init_val`` and half of it (2
+        when ``init_val`` is 1), so the two profiles give each cost's line."""
+        return sorted({self.init_val, max(1, self.init_val // 2) if self.init_val > 1 else 2})
+
+    def _say(self, trainer: pl.Trainer) -> Callable[[str], None]:
+        """One info line on rank zero per phase of the search, unless ``progress_bar`` is
+        off or the Trainer shows no progress bar."""
+        if not self.progress_bar or trainer.progress_bar_callback is None:
+            return lambda line: None
+        return lambda line: rank_zero_info(f"lightning-remat: {line}")
 
     def make_trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, solver: str,
                    settings: SearchSettings) -> TrialFn:
@@ -471,18 +576,47 @@ class RematBatchSizeFinder(Callback):
             with contextlib.suppress(Exception):  # the name is only a label; never fail on it
                 loader = trainer.fit_loop._data_source.dataloader()
                 sample_shape = _sample_shape(next(iter(loader)))
+            say = self._say(trainer)
+            started = time.perf_counter()
+            solver = settings.plan.solver
+            remat_trial = self.make_trial(trainer, pl_module, solver, settings)
+            family: list[Graph] = []
+            # Across ranks every rank must profile together; the shape family is one
+            # process's shortcut, so a distributed search profiles each trial instead.
+            if isinstance(remat_trial, LightningTrial) and world_size() == 1:
+                sizes = self.family_sizes()
+                say(f"batch-size search: profiling at batch sizes {sizes} (once for every trial)")
+                family = remat_trial.profile_family(sizes)
             plain = None
             init_val = self.init_val
-            if self.compare_plain and settings.plan.solver != PLAIN:
-                plain = self._search(trainer, pl_module, self.make_trial(trainer, pl_module, PLAIN, settings),
-                                     PLAIN, "plain", settings, self.init_val, sample_shape)
+            if self.compare_plain and solver != PLAIN:
+                plain_trial = self.make_trial(trainer, pl_module, PLAIN, settings)
+                if isinstance(plain_trial, LightningTrial):
+                    plain_trial.family = family
+                hint = self._predict(plain_trial, PLAIN, settings, self.init_val)
+                say(f"batch-size search (plain): predicted largest {hint}; measuring around it")
+                plain = self._search(trainer, pl_module, plain_trial, PLAIN, "plain", settings, self.init_val,
+                                     sample_shape, hint)
                 # Remat fits at least what plain training fits (same budget): start there.
                 if plain.largest_feasible and plain.largest_feasible <= self.max_val:
                     init_val = plain.largest_feasible
-            remat = self._search(trainer, pl_module,
-                                 self.make_trial(trainer, pl_module, settings.plan.solver, settings),
-                                 settings.plan.solver, "remat" if settings.plan.solver != PLAIN else PLAIN,
-                                 settings, init_val, sample_shape)
+            # Two predictions: the solver's, then plain training's (its peak is fitted to
+            # measured peaks, so it holds even where the simulator and a plan's measured
+            # peak disagree; every solver fits at least what plain training fits).
+            predicted = self._predict(remat_trial, solver, settings, init_val)
+            fallback = self._predict(remat_trial, PLAIN, settings, init_val) if solver != PLAIN else None
+            hints = [h for h in (predicted, fallback) if h]
+            label = "remat" if solver != PLAIN else PLAIN
+            say(f"batch-size search ({label}): predicted largest {predicted}"
+                + (f" (plain training: {fallback})" if fallback else "") + "; measuring around it")
+            remat = self._search(trainer, pl_module, remat_trial, solver, label, settings, init_val,
+                                 sample_shape, hints)
+            seconds = time.perf_counter() - started
+            trials = remat.trials_run + (plain.trials_run if plain is not None else 0)
+            step = family[-1].meta.step_seconds if family else None
+            say(f"batch-size search: {trials} trials, largest fit {remat.largest_feasible}; "
+                + planning_summary(seconds, step)
+                + (f" at batch {family[-1].meta.batch_size}" if step else ""))
         finally:
             gc.unfreeze()
             if bar is not None:

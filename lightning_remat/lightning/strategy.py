@@ -19,7 +19,7 @@ import contextlib
 import functools
 import os
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,16 @@ __all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy"]
 CHECKPOINT_KEY = "lightning_remat"
 """Where a checkpoint keeps the plans (graph and plan JSON and what decided them, by input
 key)."""
+
+
+def progress_lines(trainer: pl.Trainer) -> Callable[[str], None] | None:
+    """Where planning reports its phases: one info line each on rank zero (Lightning's own
+    ``rank_zero_info``, as its "GPU available" lines), or nowhere when the Trainer shows no
+    progress bar."""
+    bar = trainer.progress_bar_callback
+    if bar is None or bar.is_disabled:
+        return None
+    return lambda line: rank_zero_info(f"lightning-remat: {line}")
 
 
 class RematHooks:
@@ -140,6 +150,7 @@ class RematHooks:
             module, self.remat_settings, cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
             restored=self._restored, ranks=DistributedRanks() if world_size > 1 else None,
             on_plan=self._on_plan, keep_example=self._add_dashboards(trainer),
+            progress=progress_lines(trainer),
         )
         original_forward = module.forward
         strategy = self

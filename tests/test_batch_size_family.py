@@ -1,0 +1,105 @@
+"""The batch-size search on a shape family: profiled once, each size's graph derived, the
+answer predicted and measured around, and the found size trained without profiling again."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lightning_remat.lightning.batch_size as batch_size_mod
+import lightning_remat.planner as planner_mod
+from lightning_remat import RematStrategy
+from lightning_remat.callbacks import RematBatchSizeFinder
+from lightning_remat.tuning import next_batch_size, predict_largest, run_search
+from tests.test_batch_size import SizedConvNet, brute_force, threshold_trial
+
+
+@settings(max_examples=80, deadline=None)
+@given(threshold=st.integers(0, 300), init_val=st.integers(1, 40), span=st.integers(0, 300),
+       hint=st.integers(1, 400), granularity=st.sampled_from([1, 1, 2, 5]))
+def test_a_hint_never_changes_the_answer(threshold, init_val, span, hint, granularity):
+    """Whatever the prediction, the search still finds the brute-force maximum; a right one
+    closes the bracket in two trials."""
+    max_val = init_val + span
+    result = run_search(threshold_trial(threshold), init_val=init_val, max_val=max_val,
+                        granularity=granularity, max_trials=200, hint=hint)
+    expected = brute_force(lambda b: b <= threshold, max_val)
+    if granularity == 1:
+        assert result.largest_feasible == expected
+    else:
+        assert (result.largest_feasible or 0) <= (expected or 0)
+        assert (expected or 0) - (result.largest_feasible or 0) < granularity
+    if hint == threshold and 1 < threshold < max_val:
+        assert len(result.trials) == 2
+
+
+def test_predict_largest_is_the_search_on_predictions():
+    for threshold in (0, 1, 7, 64, 100, 1000):
+        calls = []
+
+        def fits(size, threshold=threshold, calls=calls):
+            calls.append(size)
+            return size <= threshold
+
+        assert predict_largest(fits, 4, 512) == brute_force(lambda b, t=threshold: b <= t, 512)
+        assert len(calls) == len(set(calls))  # each size solved once
+    assert next_batch_size([(8, True), (9, False)], 2, 64, hint=8) is None
+
+
+@pytest.mark.slow
+def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch):
+    """Two profiles (the shape family) for the whole search; each trial derives its graph.
+    Training at the size found takes the trial's plan from the plan cache: no profile."""
+    profiled = []
+
+    def counting(original, where):
+        def profile(*args, **kwargs):
+            profiled.append((where, args[1][0].shape[0] if isinstance(args[1], tuple) else None))
+            return original(*args, **kwargs)
+        return profile
+
+    monkeypatch.setattr(batch_size_mod, "profile_module", counting(batch_size_mod.profile_module, "search"))
+    monkeypatch.setattr(planner_mod, "profile_module", counting(planner_mod.profile_module, "planner"))
+    budget = 16 * 2**20
+    torch.manual_seed(0)
+    model = SizedConvNet(batch_size=4, channels=16, image=32, samples=256)
+    finder = RematBatchSizeFinder(init_val=4, max_val=256, steps_per_trial=1, compare_plain=False)
+    strategy = RematStrategy(memory_budget=budget, solver="auto", offload=False)
+    lines: list[str] = []
+    monkeypatch.setattr(batch_size_mod, "rank_zero_info", lambda line: lines.append(str(line)))
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False, max_steps=1,
+                         callbacks=[finder], strategy=strategy)
+    trainer.fit(model)
+    # Shown while it ran: the profiling, the prediction, and one summary line at the end.
+    said = [line for line in lines if line.startswith("lightning-remat: batch-size search")]
+    assert "profiling at batch sizes [2, 4]" in said[0]
+    assert "predicted largest" in said[1]
+    assert "plain steps" in said[-1] and f"largest fit {finder.optimal_batch_size}" in said[-1]
+    best = finder.optimal_batch_size
+    assert best is not None and model.batch_size == best
+    # The family: profiled at init_val and half of it, by the search; never by a trial.
+    assert sorted(profiled) == [("search", 2), ("search", 4)], profiled
+    trials = {r.batch_size: r for r in finder.report.remat.trials}
+    assert trials[best].feasible and trials[best].peak_bytes <= budget
+    assert best + 1 in trials and not trials[best + 1].feasible  # exact, measured both sides
+    # Training ran at the found size through the trial's cached plan.
+    (entry,) = strategy.planner.planned.values()
+    assert entry.from_cache and entry.graph.meta.batch_size == best
+
+
+def test_a_wrong_prediction_falls_back_on_the_next_one():
+    """The solver's prediction first (here too hopeful), plain training's second (right):
+    three trials, where doubling from init_val and bisecting would take seven."""
+    calls: list[int] = []
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 16])
+    assert result.largest_feasible == 16 and calls == [80, 16, 17]
+    lightning_like = run_search(threshold_trial(16), init_val=8, max_val=1024)
+    assert len(lightning_like.trials) == 7
+    # The second prediction one short: up from it, not a bisection of [16, 80).
+    calls.clear()
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 15])
+    assert result.largest_feasible == 16 and calls == [80, 15, 16, 18, 17]
