@@ -623,7 +623,7 @@ class Planner:
         budget = settings.budget_bytes(graph, device)
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
-        plan = plain_plan(graph) if budget is None else solve(graph, budget, settings.solver, **options)
+        plan = plain_plan(graph) if budget is None else self._solve(graph, budget, options)
         if traced.kind == CHILDREN:  # each submodule checkpointed on its own
             plan = per_submodule_plan(graph, plan, budget)
         if self.cache is not None:
@@ -631,6 +631,20 @@ class Planner:
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
                               profiled - started, "derived" if self.profiler is not None else "profile"))
         return graph, plan, False
+
+    def _solve(self, graph: Graph, budget: int, options: dict[str, Any]) -> Plan:
+        """The solver's plan; for ``auto``, where the plain step's measured peak is within
+        the budget, the plain plan: nothing to recompute, and the measurement is what any
+        prediction is held to (docs/design.md section 4.7)."""
+        measured = graph.meta.plain_peak_bytes
+        if self.settings.solver == "auto" and measured and plain_peak_bytes(graph) <= budget:
+            # The least extra time is none, and the plain step was measured to fit.
+            plan = plain_plan(graph)
+            plan.solver, plan.feasible = "auto:plain", True
+            plan.notes.append(f"the plain step measured {format_bytes(plain_peak_bytes(graph))}, "
+                              f"within {format_bytes(budget)}: nothing recomputed")
+            return plan
+        return solve(graph, budget, self.settings.solver, **options)
 
     def _restored_for(self, key_text: str, basis: PlanBasis) -> tuple[StoredPlan | None, bool]:
         """The checkpoint's plan for this key and ``basis``, and whether a warning said why

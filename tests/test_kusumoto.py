@@ -286,3 +286,26 @@ def test_registered_names_resolve():
     for name in ("kusumoto-tc", "kusumoto-mc", "kusumoto-exact-tc", "kusumoto-exact-mc"):
         plan = get_solver(name)(graph, min_budget(graph, name))
         assert plan.solver == name and plan.feasible
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags(max_n=7))
+def test_where_the_upper_bound_finds_nothing_the_simulated_costs_decide_the_smallest_budget(
+        graph):
+    """With the stage-memory upper bound forced (as on graphs too large to simulate every
+    pair), min_budget is still the smallest budget solve accepts: the simulator's own stage
+    costs are tried where the bound finds no strategy."""
+    import lightning_remat.solvers.kusumoto as kusumoto
+
+    saved = kusumoto._SIMULATED_WORK
+    kusumoto._SIMULATED_WORK = 0  # the bound first, as on a large graph
+    kusumoto._FAMILY_CACHE.clear()
+    try:
+        least = min_budget(graph, "kusumoto-tc")
+        plan = get_solver("kusumoto-tc")(graph, least)
+        assert fits(plan, least)
+        simulated = kusumoto._family(graph, False, kusumoto.DEFAULT_MAX_LOWER_SETS, simulated=True)
+        assert least == simulated.min_budget() + kusumoto.model_margin(graph)
+    finally:
+        kusumoto._SIMULATED_WORK = saved
+        kusumoto._FAMILY_CACHE.clear()

@@ -55,6 +55,9 @@ The planners (``planner.py``, ``runtime/module.py``) add ``bandwidth_bytes_per_s
 host-device bandwidth, the offloading solvers' beta (measured once per device). Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
+
+Length: the vertices, the typed meta every writer and reader shares, and the JSON form
+they round-trip through are one format, so they stay in one module.
 """
 
 from __future__ import annotations

@@ -256,9 +256,25 @@ class RematModule(nn.Module):
             if restores:
                 # The snapshot is taken outside the recomputation mode, which would see its copies.
                 recompute = _both(RestoreNormStatistics(self, program), recompute)
-            return _both(KeptRegion(), forward), _both(KeptRegion(), recompute)
+            return (_both(_UncachedAutocast(), _both(KeptRegion(), forward)),
+                    _both(_UncachedAutocast(), _both(KeptRegion(), recompute)))
 
         return contexts
+
+
+class _UncachedAutocast(contextlib.ExitStack):
+    """Autocast as it is, with its cast cache off. Selective checkpointing replays the
+    forward's aten ops by position, and autocast casts a parameter once per region while its
+    cache is on: a forward inside a region that cast it already would run fewer casts than
+    its recomputation. Without the cache both cast every time (the same values)."""
+
+    def __enter__(self) -> _UncachedAutocast:
+        super().__enter__()
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                self.enter_context(torch.autocast(
+                    device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False))
+        return self
 
 
 @contextlib.contextmanager

@@ -19,8 +19,11 @@ module follows that statement exactly (paper equation numbers in brackets):
   ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
   and transient bytes at v's backward peak, the same under every plan; storage shared
   between vertices (views, in-place ops, gradients passed through ``add``) is counted per
-  vertex, and a random op's boundary value (recomputed, held by its readers) as kept. So a
-  DP-feasible plan fits by construction; a strategy is feasible for a budget M when its
+  vertex, and a random op's boundary value (recomputed, held by its readers) as kept. Where
+  that bound finds no strategy for a budget and simulating every pair stays affordable
+  (``_TIGHTER_WORK``), the simulator's own costs are used, so a tight budget is decided by
+  the model and not by the bound's looseness, and ``min_budget`` is the smallest budget
+  ``solve`` then accepts. So a DP-feasible plan fits by construction; a strategy is feasible for a budget M when its
   peak plus the plan's margin is at most M;
 - DP (section 4.2, Appendix A Algorithm 1): a state is ``(L, t)`` holding the least cache
   ``m`` of any prefix that ends in L with extra time t; from ``(L, t, m)`` go to every lower
@@ -94,6 +97,10 @@ _TRANSITION_CACHE_ENTRIES = 5_000_000
 # The approximate DP simulates every pair of its lower sets while pairs x vertices stays
 # under this (about a second); above it, it uses the vectorised upper bound.
 _SIMULATED_WORK = 100_000
+# Where the upper bound finds no strategy for a budget, the simulator's own stage costs are
+# tried while pairs x vertices stays under this (seconds on a 100-vertex graph): the bound
+# is loose on shared storage, and a tight budget is where that decides feasibility.
+_TIGHTER_WORK = 2_000_000
 
 
 # ---- graph as bitsets -------------------------------------------------------------------------
@@ -552,12 +559,13 @@ _FAMILY_CACHE: OrderedDict[tuple, LowerSetFamily] = OrderedDict()
 _FAMILY_CACHE_SIZE = 8
 
 
-def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
+def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = False) -> LowerSetFamily:
     """The family of lower sets for a graph, reused across calls on the same graph and
-    costs (auto, min-budget searches and benchmarks call the DP several times)."""
+    costs (auto, min-budget searches and benchmarks call the DP several times);
+    ``simulated`` asks for the simulator's stage costs whatever they cost."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (exact, graph.to_json())
+    key = (exact, simulated, graph.to_json())
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
@@ -567,11 +575,20 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int) -> LowerSetFamily:
     # The approximate family too takes the simulator's own stage costs where simulating
     # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
     pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
-    family = LowerSetFamily(bits, sets, simulated=exact or pairs * max(bits.n, 1) <= _SIMULATED_WORK)
+    family = LowerSetFamily(
+        bits, sets, simulated=exact or simulated or pairs * max(bits.n, 1) <= _SIMULATED_WORK)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
     return family
+
+
+def _tighter_family(graph: Graph, family: LowerSetFamily) -> LowerSetFamily | None:
+    """The same approximate family with the simulator's stage costs, where ``family`` uses
+    the upper bound and simulating every pair is affordable (``_TIGHTER_WORK``); else None."""
+    if family.simulated or (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK:
+        return None
+    return _family(graph, False, DEFAULT_MAX_LOWER_SETS, simulated=True)
 
 
 def _plan_from_sequence(
@@ -625,6 +642,14 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
     found = _run(family, target, objective, time_steps)
     if found is not None:
         return _plan_from_sequence(graph, family, found, name, budget, notes, True)
+    tighter = _tighter_family(graph, family)
+    if tighter is not None:
+        family = tighter
+        found = _run(family, target, objective, time_steps)
+        if found is not None:
+            notes.append("no strategy under the stage-memory upper bound; found with the "
+                         "simulator's own stage costs")
+            return _plan_from_sequence(graph, family, found, name, budget, notes, True)
     smallest = family.min_budget()
     notes.append(
         f"no strategy has peak <= {budget} bytes; the smallest budget with one is "
@@ -706,7 +731,9 @@ def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOW
                 **_: Any) -> int:
     if len(graph) == 0:
         return 0
-    return _family(graph, exact, max_lower_sets).min_budget() + model_margin(graph)
+    family = _family(graph, exact, max_lower_sets)
+    tighter = None if exact else _tighter_family(graph, family)
+    return (tighter or family).min_budget() + model_margin(graph)
 
 
 def min_budget_solve_approx_tc(graph: Graph, **options: Any) -> int:
