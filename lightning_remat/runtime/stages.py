@@ -450,14 +450,16 @@ _KEEPABLE: dict[Any, bool] = {}
 
 def _keepable(op: Any) -> bool:
     """Whether an aten op's outputs can be kept from the forward: not an in-place op (its
-    result must be the tensor it modified in the recomputation too) and not a random op (a
+    result must be the tensor it modified in the recomputation too), not a random op (a
     kept random op draws nothing in the recomputation, which would shift the numbers every
-    later random op of the stage draws)."""
+    later random op of the stage draws) and not a view (a kept view holds its base's whole
+    storage, which may be a value the plan recomputes, such as the input a ``Linear``
+    reshapes; a view costs nothing to make again from its recomputed or kept base)."""
     known = _KEEPABLE.get(op)
     if known is None:
-        writes = any(r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns)
+        aliases = any(r.alias_info is not None for r in op._schema.returns)
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        known = _KEEPABLE[op] = not (writes or random)
+        known = _KEEPABLE[op] = not (aliases or random)
     return known
 
 
