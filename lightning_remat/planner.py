@@ -374,6 +374,8 @@ class Planner:
     holds (default: :func:`~lightning_remat.graph.profile.profile_module`; the batch-size
     search passes graphs derived by :mod:`lightning_remat.graph.scale`). ``progress(line)``:
     told each planning phase as it starts, and a summary when a plan is made.
+    ``loss_fn(outputs) -> scalar``: the loss the training step takes of the outputs, whose
+    memory the profile measures (``meta.loss_peak_bytes``; default: the sum of the outputs).
     """
 
     def __init__(
@@ -388,9 +390,11 @@ class Planner:
         keep_example: bool = False,
         profiler: Profiler | None = None,
         progress: Callable[[str], None] | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
         self.profiler = profiler
+        self.loss_fn = loss_fn
         self.progress = progress
         self.settings = settings or PlanSettings()
         self.cache = cache
@@ -514,7 +518,7 @@ class Planner:
                 # This rank's share of FSDP's collectives while the owner profiles.
                 profile_module(self.module, args, example_kwargs=kwargs or None,
                                repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
-                               traced=traced)
+                               traced=traced, loss_fn=self.loss_fn)
                 payload = ranks.broadcast(None, owner)
             if payload[0] == "error":
                 _raise_shared_error(payload, owner)
@@ -612,7 +616,7 @@ class Planner:
         else:
             graph = profile_module(
                 module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
-                safe=settings.safe_profile, traced=traced, progress=note,
+                safe=settings.safe_profile, traced=traced, progress=note, loss_fn=self.loss_fn,
             )
         # The gradients' state is the run's own: a loop that keeps them plans for that.
         graph.meta.grads_resident = grads_resident(module)
@@ -714,6 +718,7 @@ def remat(
     solver: str = "auto",
     device: str | torch.device | None = None,
     progress: bool = False,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> RematModule:
     """``module`` rematerialized to train within ``memory_budget``.
 
@@ -725,6 +730,9 @@ def remat(
     and train (the module is moved there; default: where its parameters are).
     ``progress``: write one line to stderr as each planning phase starts (trace, profile,
     solve) and a last one with the time planning took, in seconds and in plain steps.
+    ``loss_fn(outputs) -> scalar``: the loss your training step takes of the module's
+    outputs; the plan counts the memory it takes (a cross-entropy over a large vocabulary
+    holds several times the logits). Default: the sum of the floating outputs.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a
@@ -746,7 +754,7 @@ def remat(
     else:
         inputs, kwargs = (example_input,), {}
     inputs, kwargs = move_to_device(inputs, target), move_to_device(kwargs, target)
-    planner = Planner(module, settings,
+    planner = Planner(module, settings, loss_fn=loss_fn,
                       progress=(lambda line: print(f"lightning-remat: {line}", file=sys.stderr, flush=True)) if progress else None)
     planner.last = planner.planned_for(inputs, kwargs)
     planner.remat_module.set_current(planner.last.variant)

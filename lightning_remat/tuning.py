@@ -85,6 +85,7 @@ class TrialRecord:
     reason: str
     predicted_extra_seconds: float | None
     solver: str | None
+    predicted_peak_bytes: int | None = None
 
     @property
     def samples_per_second(self) -> float | None:
@@ -110,6 +111,7 @@ class TrialRecord:
             reason=str(attrs.get("reason", "")),
             predicted_extra_seconds=attrs.get("predicted_extra_seconds"),
             solver=attrs.get("solver"),
+            predicted_peak_bytes=attrs.get("predicted_peak_bytes"),
         )
 
 

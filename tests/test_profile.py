@@ -391,7 +391,7 @@ def test_a_timed_step_repeats_only_while_op_times_vary():
 def test_profile_counts_its_steps(monkeypatch):
     """The normal mode on the CPU: one plain step in the meter, one instrumented step in the
     meter, timed steps only while times vary (none vary here), and one no-grad forward at
-    another batch size."""
+    another batch size; and the loss's measurement, one no-grad forward of the model."""
     monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 0.0)
     model = models.mlp()
     calls = []
@@ -402,11 +402,44 @@ def test_profile_counts_its_steps(monkeypatch):
     phases = []
     profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
     # The instrumented steps and the batch-size probe run the traced copy's code; the
-    # model's own forward runs once, for the plain step.
-    assert calls == [True]
+    # model's own forward runs for the plain step and, without autograd, for the outputs
+    # the loss's memory is measured on.
+    assert calls == [True, False]
     assert phases[0] == "profile: the plain step's peak"
     assert sum("times" in p or "timing again" in p for p in phases) == 1
     monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 1.0)
     phases.clear()
     profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
     assert sum("times" in p or "timing again" in p for p in phases) == 3
+
+
+def test_a_loss_that_keeps_the_outputs_alive_is_named() -> None:
+    """The plan counts the outputs freed when the backward starts; a loss whose reference
+    cycle keeps them until the garbage collector runs gets a warning, a plain one none."""
+    import gc
+
+    def cyclic_loss(outputs: torch.Tensor) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+
+        def visit(value: torch.Tensor) -> None:  # refers to itself: a cycle holding ``kept``
+            kept.append(value)
+            if value.dim() > 9:
+                visit(value)
+
+        visit(outputs)
+        return kept[0].pow(2).mean()
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle must outlive the check, as it does between collections
+    try:
+        with pytest.warns(UserWarning, match="keeps the module's outputs alive"):
+            profile_module(model, x, loss_fn=cyclic_loss)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            graph = profile_module(model, x, loss_fn=lambda out: out.pow(2).mean())
+    finally:
+        if enabled:
+            gc.enable()
+    assert graph.meta.loss_peak_bytes is not None and graph.meta.loss_peak_bytes > 0

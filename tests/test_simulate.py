@@ -67,12 +67,21 @@ def diamond(join_op: str, sizes: tuple[int, int, int, int]) -> Graph:
 
 
 def test_diamond_accumulates_the_shared_gradient():
-    t = simulate(diamond("cat", (10, 20, 30, 40)))
+    t = simulate(diamond("mul", (10, 20, 30, 40)))
     assert phases(t, "forward") == [("v0", 10, 10), ("v1", 30, 30), ("v2", 50, 60), ("v3", 40, 90)]
     # v3: grads of v1 and v2 (50) beside its own (40) = 90, then its own goes: 50.
     # v2: v0's gradient buffer appears (60), v2's goes: 30.
     # v1: its gradient for v0 (10) is live beside the buffer until the in-place add: 40.
     assert phases(t, "backward") == [("v3", 50, 90), ("v2", 30, 60), ("v1", 10, 40), ("v0", 0, 10)]
+
+
+def test_cat_hands_its_inputs_slices_of_its_gradient():
+    t = simulate(diamond("cat", (10, 20, 30, 40)))
+    # v3: v1's and v2's gradients are slices of v3's own (40): nothing new.
+    # v2: v0's gradient buffer appears (50); the slices' buffer stays for v1's slice.
+    # v1: its gradient for v0 (10) beside both until the in-place add (60); then only
+    # v0's gradient is left (10), the whole sliced buffer freed with its last slice.
+    assert phases(t, "backward") == [("v3", 40, 40), ("v2", 50, 50), ("v1", 10, 60), ("v0", 0, 10)]
 
 
 def test_add_passes_its_gradient_through_without_a_buffer():

@@ -32,6 +32,9 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 - ``input_bytes``: bytes of the step's inputs (resident, not part of the budget);
 - ``plain_peak_bytes``: the measured peak of one plain step, from a state without gradients
   (absent in safe mode);
+- ``loss_peak_bytes``: the measured peak of the loss alone, from the outputs to their
+  gradients, above what the forward holds (the step's own loss: a cross-entropy over a
+  vocabulary takes several times the logits; absent in safe mode and on older graphs);
 - ``step_seconds``: the plain step's time (CUDA: the metered plain step; CPU: the fastest timed
   instrumented step's wall time; in safe mode the sum of the vertex times);
 - ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size
@@ -219,6 +222,9 @@ class GraphMeta:
     """Bytes of the step's inputs (resident, not part of the budget)."""
     plain_peak_bytes: int | None = None
     """Measured peak of one plain step (None in safe mode)."""
+    loss_peak_bytes: int | None = None
+    """Measured peak of the loss alone, from the outputs to their gradients (None: not
+    measured)."""
     step_seconds: float | None = None
     """Median plain step (in safe mode the sum of the vertex times)."""
     batch_dependent: dict[str, bool] | None = None

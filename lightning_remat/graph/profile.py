@@ -34,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -696,7 +697,7 @@ def profile_module(
     Returns the :class:`Graph` with measured costs. Its meta
     (:class:`~lightning_remat.graph.ir.GraphMeta`, whose fields :mod:`lightning_remat.graph.ir`
     documents) keeps the tracer's fields and sets ``batch_size``, ``device``, ``dtype``,
-    ``input_bytes``, ``plain_peak_bytes`` (measured with
+    ``input_bytes``, ``plain_peak_bytes`` and ``loss_peak_bytes`` (measured with
     :func:`~lightning_remat.meter.peak_bytes`; None in safe mode), ``step_seconds``,
     ``batch_dependent``, ``saved_refs``, ``saved_input_bytes``, ``aliases``,
     ``requires_grad``, ``resident_views`` and ``safe``.
@@ -755,6 +756,7 @@ def profile_module(
                 note("profile: the plain step's peak")
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
+                meta.loss_peak_bytes = _loss_peak(module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
                                                       plain_seconds, note)
                 meta.step_seconds = plain_seconds or wall
@@ -772,6 +774,7 @@ def profile_module(
             safe = True
         if safe:
             meta.plain_peak_bytes = None
+            meta.loss_peak_bytes = None
             meta.step_seconds = None
             note("profile: each op alone (memory-safe mode)")
             records = _profile_safe(make, grad_holders, warmup, repeats, device)
@@ -839,6 +842,43 @@ def _plain_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, An
     seconds = time.perf_counter() - start if device.type == "cuda" else None
     _clear_grads(grad_holders)
     return int(peak), seconds
+
+
+def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
+               device: torch.device) -> int:
+    """The loss alone (``meta.loss_peak_bytes``): on the outputs of a forward without
+    autograd, made leaves, the peak of ``loss_fn`` and the gradients it sends to the
+    outputs, inside the meter. A sum sends a broadcast scalar (nothing); a cross-entropy
+    over a vocabulary holds its log-probabilities and their gradient beside the logits'."""
+    with torch.no_grad():
+        outputs = module(*inputs, **kwargs)
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+            return value.detach().requires_grad_()
+        return value
+
+    leaves = pytree.tree_map(leaf, outputs)
+    del outputs
+    wanting = [t for t in pytree.tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    peak = int(peak_bytes(partial(_loss_and_gradients, loss_fn, leaves, wanting), device))
+    held = [weakref.ref(t) for t in wanting]
+    del leaves, wanting
+    if any(ref() is not None for ref in held):
+        warnings.warn(
+            "the loss keeps the module's outputs alive after it returns (a reference cycle, or a "
+            "reference kept elsewhere), so they outlive the start of the backward, where the plan "
+            "counts them freed: the measured peak can exceed the plan's. Take the loss without "
+            "keeping the outputs (a recursive closure over a list of them is such a cycle)",
+            UserWarning, stacklevel=4)
+    return peak
+
+
+def _loss_and_gradients(loss_fn: LossFn, leaves: Any, wanting: list[torch.Tensor]) -> None:
+    loss = loss_fn(leaves)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        torch.autograd.grad(loss, wanting, allow_unused=True)
 
 
 _UNSETTLED_SHARE = 0.05

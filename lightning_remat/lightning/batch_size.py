@@ -64,7 +64,7 @@ from lightning_remat.device import (
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
-from lightning_remat.graph.trace import Traced, local_bytes, trace_module
+from lightning_remat.graph.trace import Traced, default_loss, local_bytes, trace_module
 from lightning_remat.lightning.strategy import RematHooks
 from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import (
@@ -225,6 +225,7 @@ class LightningTrial:
         self.family: list[Graph] = []
         """Profiles of the target at one or two batch sizes (:meth:`profile_family`)."""
         self._size = 0
+        self._loss: Callable[[Any], torch.Tensor] | None = None
 
     def batch(self, batch_size: int) -> Any:
         """A training batch of exactly ``batch_size`` samples on the device."""
@@ -233,6 +234,23 @@ class LightningTrial:
         batch = next(iter(loader))
         batch = resize_batch(batch, batch_size)
         return self.trainer.strategy.batch_to_device(batch, self.device)
+
+    def loss_fn(self, batch: Any) -> Callable[[Any], torch.Tensor] | None:
+        """The loss ``training_step`` takes of the target's outputs on ``batch``: the rest
+        of the step run on given outputs, so the profile measures the memory of the
+        model's own loss (``meta.loss_peak_bytes``). None under manual optimization, whose
+        training_step runs its own backward and optimizer step."""
+        if not self.model.automatic_optimization:
+            return None
+
+        def loss_of(outputs: Any) -> torch.Tensor:
+            with _forward_replaced(self.target, lambda *args, **kwargs: outputs), \
+                    self.trainer.precision_plugin.train_step_context():
+                out = self.model.training_step(batch, 0)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            return loss if isinstance(loss, torch.Tensor) else default_loss(outputs)
+
+        return loss_of
 
     def _capture_call(self, batch: Any) -> tuple[tuple, dict]:
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -262,17 +280,19 @@ class LightningTrial:
         ):
             model.train()
             for size in sizes:
-                args, kwargs = self._capture_call(self.batch(size))
+                batch = self.batch(size)
+                args, kwargs = self._capture_call(batch)
                 with preserved_state(self.target, [self.device]):
                     traced = trace_module(self.target, args, kwargs)
                 graph = profile_module(
                     self.target, args, example_kwargs=kwargs or None, traced=traced,
-                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile)
+                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile,
+                    loss_fn=self.loss_fn(batch))
                 # Scaled in the search's own unit: the batch size it sets, whatever the
                 # first dimension of the target's input is.
                 graph.meta.batch_size = size
                 family.append(graph)
-                del args, kwargs
+                del args, kwargs, batch
         try:
             check_family(family)
         except ValueError:
@@ -294,7 +314,7 @@ class LightningTrial:
             return graph
         return profile_module(module, args, example_kwargs=kwargs or None, traced=traced,
                               repeats=self.settings.plan.profile_repeats,
-                              safe=self.settings.plan.safe_profile)
+                              safe=self.settings.plan.safe_profile, loss_fn=self._loss)
 
     def _step(self, batch: Any) -> None:
         with self.trainer.precision_plugin.train_step_context():
@@ -337,6 +357,7 @@ class LightningTrial:
             model.train()
             batch = self.batch(batch_size)
             self._size = batch_size
+            self._loss = self.loss_fn(batch)
             forward = None
             if self.solver != PLAIN:
                 args, kwargs = self._capture_call(batch)
@@ -345,6 +366,7 @@ class LightningTrial:
                     cache=PlanCache(self.settings.cache_dir / "plans.sqlite"),
                     ranks=DistributedRanks() if world_size() > 1 else None,  # rank zero plans
                     profiler=self._graph_for_trial if self.family else None,
+                    loss_fn=self._loss,
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
@@ -374,6 +396,7 @@ class LightningTrial:
                         reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
                     seconds.append(time.perf_counter() - started[0])
             del batch
+            self._loss = None  # it holds the batch
         peak = max(peaks)
         step_seconds = sorted(seconds)[len(seconds) // 2]  # median
         feasible, reason = _verdict(peak, grad_bytes, budget_bytes)

@@ -19,7 +19,8 @@ module follows that statement exactly (paper equation numbers in brackets):
   ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
   and transient bytes at v's backward peak, the same under every plan; storage shared
   between vertices (views, in-place ops, gradients passed through ``add``) is counted per
-  vertex, and a random op's boundary value (recomputed, held by its readers) as kept. Where
+  vertex, a random op's boundary value (recomputed, held by its readers) as kept, and the
+  loss's measured peak on top of the last stage. Where
   that bound finds no strategy for a budget and simulating every pair stays affordable
   (``_TIGHTER_WORK``), the simulator's own costs are used, so a tight budget is decided by
   the model and not by the bound's looseness, and ``min_budget`` is the smallest budget
@@ -65,6 +66,7 @@ public function per variant.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -297,6 +299,8 @@ class LowerSetFamily:
                          + (self.extra_set[j] - self.extra_set[sources])
                          + np.where(inside, bits.gradients, 0).max(axis=1, initial=0))
             cache_add = self.held_kept[j] - kept_before
+            if last:  # the loss runs on top of the last stage's forward
+                stage_mem = stage_mem + int(bits.graph.meta.loss_peak_bytes or 0)
         if last:
             extra_time = np.zeros(sources.size, dtype=np.float64)  # the last stage: no recompute
         else:
@@ -565,7 +569,7 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
     ``simulated`` asks for the simulator's stage costs whatever they cost."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (exact, simulated, graph.to_json())
+    key = (exact, simulated, _cost_key(graph))
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
@@ -581,6 +585,25 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
     return family
+
+
+# Meta fields no stage cost reads: the same graph with another bandwidth or run label is the
+# same family (the batch-size search predicts on a derived graph the planner then gets with
+# the bandwidth and the run's gradient state set).
+_COSTLESS_META = ("bandwidth_bytes_per_s", "step_seconds", "plain_peak_bytes")
+
+
+def _cost_key(graph: Graph) -> str:
+    """The graph's JSON less the meta fields stage costs do not read, gradients resident
+    or not written as a bool."""
+    data = graph.to_dict()
+    meta = data["meta"]
+    for name in _COSTLESS_META:
+        meta.pop(name, None)
+    for name in graph.meta.extra:
+        meta.pop(name, None)
+    meta["grads_resident"] = bool(graph.meta.grads_resident)
+    return json.dumps(data)
 
 
 def _tighter_family(graph: Graph, family: LowerSetFamily) -> LowerSetFamily | None:

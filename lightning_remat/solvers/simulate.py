@@ -83,9 +83,12 @@ contiguous tensors a traced forward usually passes it)."""
 GRAD_PASSTHROUGH_OPS = frozenset({
     "add", "iadd", "__add__", "__iadd__", "view", "reshape", "flatten", "unflatten", "squeeze",
     "unsqueeze", "transpose", "permute", "t", "view_as", "Flatten", "Unflatten", "Identity",
-    "contiguous",
+    "contiguous", "cat", "concat", "concatenate", "stack", "hstack", "vstack",
 })
-"""Op names whose backward passes the incoming gradient on without a new buffer."""
+"""Op names whose backward passes the incoming gradient on without a new buffer. For a
+concatenation each input's gradient is a slice of the output's (autograd narrows it), so
+the whole buffer lives until the last slice is consumed: a U-Net's skip connection holds
+its decoder level's full gradient until the encoder's backward."""
 
 RANDOM_OPS = frozenset({
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
@@ -387,6 +390,7 @@ class _StepSimulation:
         self.grads_resident = bool(meta.grads_resident)
         outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
         self.outputs = [o for o in outputs if o in graph]
+        self.loss_bytes = int(meta.loss_peak_bytes or 0)
         # The profiler names aliases itself (views and in-place results); op names are the
         # fallback for graphs that lack them.
         guess_views = meta.aliases is None and meta.saved_refs is not None
@@ -538,8 +542,13 @@ class _StepSimulation:
         self.timeline.events.append(Event("forward", v, mem.live, peak, k))
 
     def _loss(self) -> None:
-        """The loss drops its references to the outputs (the step's locals are gone when
-        ``loss.backward()`` starts), then the outputs' gradients appear."""
+        """The loss runs on top of everything the forward holds, to its measured peak
+        (``meta.loss_peak_bytes``, counted at the last forward op so that the events stay
+        one per op); it drops its references to the outputs (the step's locals are gone
+        when ``loss.backward()`` starts), then the outputs' gradients appear."""
+        if self.loss_bytes and self.timeline.events:
+            last = self.timeline.events[-1]
+            last.peak_bytes = max(last.peak_bytes, self.mem.live + self.loss_bytes)
         for o in self.outputs:
             self.mem.release(self._val(o))
         for o in self.outputs:
