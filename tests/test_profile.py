@@ -391,7 +391,8 @@ def test_a_timed_step_repeats_only_while_op_times_vary():
 def test_profile_counts_its_steps(monkeypatch):
     """The normal mode on the CPU: one plain step in the meter, one instrumented step in the
     meter, timed steps only while times vary (none vary here), and one no-grad forward at
-    another batch size; and the loss's measurement, one no-grad forward of the model."""
+    another batch size (a given loss's memory is measured on one more forward, without
+    autograd; the default sum's needs none)."""
     monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 0.0)
     model = models.mlp()
     calls = []
@@ -402,9 +403,8 @@ def test_profile_counts_its_steps(monkeypatch):
     phases = []
     profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
     # The instrumented steps and the batch-size probe run the traced copy's code; the
-    # model's own forward runs for the plain step and, without autograd, for the outputs
-    # the loss's memory is measured on.
-    assert calls == [True, False]
+    # model's own forward runs once, for the plain step.
+    assert calls == [True]
     assert phases[0] == "profile: the plain step's peak"
     assert sum("times" in p or "timing again" in p for p in phases) == 1
     monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 1.0)

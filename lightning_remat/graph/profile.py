@@ -717,6 +717,8 @@ def profile_module(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
+    # The default sum sends its outputs a broadcast scalar: its memory needs no measurement.
+    measure_loss = loss_fn is not None
     loss_fn = loss_fn or default_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if traced is None:
@@ -756,7 +758,8 @@ def profile_module(
                 note("profile: the plain step's peak")
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
-                meta.loss_peak_bytes = _loss_peak(module, inputs, kwargs, loss_fn, device)
+                if measure_loss:
+                    meta.loss_peak_bytes = _loss_peak(module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
                                                       plain_seconds, note)
                 meta.step_seconds = plain_seconds or wall
