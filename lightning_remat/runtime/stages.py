@@ -454,13 +454,28 @@ def _keepable(op: Any) -> bool:
     kept random op draws nothing in the recomputation, which would shift the numbers every
     later random op of the stage draws) and not a view (a kept view holds its base's whole
     storage, which may be a value the plan recomputes, such as the input a ``Linear``
-    reshapes; a view costs nothing to make again from its recomputed or kept base)."""
+    reshapes; a view costs nothing to make again from its recomputed or kept base). Only
+    ops that return tensors: a profiler range that FSDP's hooks open inside a boundary
+    node has nothing to keep, and its calls need not repeat in the recomputation."""
     known = _KEEPABLE.get(op)
     if known is None:
         aliases = any(r.alias_info is not None for r in op._schema.returns)
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        known = _KEEPABLE[op] = not (aliases or random)
+        known = _KEEPABLE[op] = _returns_tensors(op._schema) and not (aliases or random)
     return known
+
+
+def _returns_tensors(schema: Any) -> bool:
+    """Whether every return of an op schema is a tensor (or an optional or a list of them)."""
+    for value in schema.returns:
+        kind = value.type
+        if isinstance(kind, torch._C.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch._C.ListType):
+            kind = kind.getElementType()
+        if not isinstance(kind, torch._C.TensorType):
+            return False
+    return bool(schema.returns)
 
 
 def boundary_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
