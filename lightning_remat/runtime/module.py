@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.graph.ir import Graph
@@ -251,15 +252,41 @@ class RematModule(nn.Module):
                 return torch.utils.checkpoint.noop_context_fn
             return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
 
+        sharded = _has_fsdp_units(self)
+
         def contexts() -> tuple[Any, Any]:
             forward, recompute = create_selective_checkpoint_contexts(boundary_policy)
             if restores:
                 # The snapshot is taken outside the recomputation mode, which would see its copies.
                 recompute = _both(RestoreNormStatistics(self, program), recompute)
+            if sharded:  # FSDP's hooks: their profiler ranges kept out of the op matching
+                forward, recompute = _both(forward, _ProfilerRangesAside()), _both(recompute, _ProfilerRangesAside())
             return (_both(_UncachedAutocast(), _both(KeptRegion(), forward)),
                     _both(_UncachedAutocast(), _both(KeptRegion(), recompute)))
 
         return contexts
+
+
+def _has_fsdp_units(module: nn.Module) -> bool:
+    """Whether ``module`` holds a unit of torch's ``fully_shard`` (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without it has no such units
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+class _ProfilerRangesAside(TorchDispatchMode):
+    """Runs profiler-range ops (``profiler.*``) past the selective-checkpoint modes beneath
+    it. Those modes match the recomputation's ops to the forward's by count, and FSDP's
+    hooks open more ranges when a recomputed unit gathers its parameters again than in the
+    forward; a range computes nothing to keep or recompute."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "profiler":
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 class _UncachedAutocast(contextlib.ExitStack):
