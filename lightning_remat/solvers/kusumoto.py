@@ -695,6 +695,7 @@ def _run(family: LowerSetFamily, budget: int | None, objective: str,
         return None
     unit = family.time_unit(time_steps)
     bound = None
+    coarse = None
     if objective == "tc":
         total = float(family.bits.t_fwd.sum())
         coarse_unit = max(unit, total / _COARSE_STEPS)
@@ -710,6 +711,11 @@ def _run(family: LowerSetFamily, budget: int | None, objective: str,
                 # the whole forward: at generous budgets T is a small part of it.
                 unit = max(bound / time_steps, total * 1e-12)
     result = family.solve(budget, objective, unit, bound)
+    if result is None and coarse is not None:
+        # A bucket keeps its least-cache state, which may be up to a unit slower than the
+        # one it stands for, so over many stages every fine path can overrun the coarse
+        # strategy's T and be cut; that strategy itself fits the budget.
+        return coarse[0]
     return None if result is None else result[0]
 
 
