@@ -214,6 +214,9 @@ class RematModule(nn.Module):
             env[node_name] = value
         grad_mode = torch.is_grad_enabled()
         recompute_now = self.training and grad_mode
+        # Once per call, not per stage: a walk over every submodule costs about as much as
+        # a small stage's recomputation.
+        sharded = recompute_now and _has_fsdp_units(self)
         for program in stages.programs:
             inputs = [env[name] for name in program.input_names]
             if program.action == "recompute" and recompute_now:
@@ -223,7 +226,7 @@ class RematModule(nn.Module):
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
                         program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
-                        context_fn=self._context_fn(program),
+                        context_fn=self._context_fn(program, sharded),
                     )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
@@ -242,17 +245,16 @@ class RematModule(nn.Module):
             del outputs
         return rebuild_output(stages.output, env)
 
-    def _context_fn(self, program: StageProgram) -> Callable[[], tuple[Any, Any]]:
+    def _context_fn(self, program: StageProgram, sharded: bool) -> Callable[[], tuple[Any, Any]]:
         """The contexts the stage's forward and its recomputation run in: selective
         checkpointing that keeps the boundary values (docs/design.md section 5), and the
-        norm statistics restored around the recomputation."""
+        norm statistics restored around the recomputation. ``sharded``: the module holds
+        FSDP units."""
         restores = bool(program.norm_modules or program.state_buffers)
         if not program.kept_boundary:
             if not restores:
                 return torch.utils.checkpoint.noop_context_fn
             return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
-
-        sharded = _has_fsdp_units(self)
 
         def contexts() -> tuple[Any, Any]:
             forward, recompute = create_selective_checkpoint_contexts(boundary_policy)
