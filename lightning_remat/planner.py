@@ -61,7 +61,12 @@ from lightning_remat.graph.trace import (
 )
 from lightning_remat.meter import TimelinePoint, record_timeline
 from lightning_remat.runtime.hooked import per_submodule_plan
-from lightning_remat.runtime.module import RematModule, Variant, build_traced_variant
+from lightning_remat.runtime.module import (
+    RematModule,
+    Variant,
+    build_traced_variant,
+    measure_recompute_overhead,
+)
 from lightning_remat.runtime.offload import measure_bandwidth
 from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
@@ -623,6 +628,10 @@ class Planner:
         # The offloading solvers (and "auto", which ends with them) need beta.
         if graph.meta.bandwidth_bytes_per_s is None:
             graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)
+        # What each recomputed stage costs the executor itself, in the plans' extra time.
+        if graph.meta.recompute_stage_seconds is None:
+            (graph.meta.recompute_stage_seconds,
+             graph.meta.recompute_vertex_seconds) = measure_recompute_overhead(device)
         profiled = time.perf_counter()
         budget = settings.budget_bytes(graph, device)
         options = solver_options(settings.solver, device, settings.offload)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -328,3 +329,46 @@ def test_time_centric_accepts_every_budget_above_its_smallest_on_a_profiled_gpt(
     for budget in sorted({least, int(0.4 * plain), int(0.5 * plain), int(0.75 * plain)}):
         plan = get_solver("kusumoto-tc")(graph, budget)
         assert fits(plan, budget), (budget, plan.notes)
+
+
+# ---- the executor's own time per recomputed stage ---------------------------------------------
+def _with_executor_time(graph: Graph, per_stage: float, per_vertex: float) -> Graph:
+    graph = Graph.from_json(graph.to_json())
+    graph.meta.recompute_stage_seconds = per_stage
+    graph.meta.recompute_vertex_seconds = per_vertex
+    return graph
+
+
+@SETTINGS
+@given(graph=graphs, fraction=st.floats(0, 1), per_stage=st.integers(0, 4), per_vertex=st.integers(0, 2))
+def test_exact_tc_is_optimal_with_the_executor_time_per_stage(graph, fraction, per_stage, per_vertex):
+    """With the executor's time per recomputed stage in the profile, no strategy within the
+    budget, scored by the simulator, takes less time than the exact time-centric DP's: the
+    time minimised is the time the simulator predicts, stage costs included."""
+    graph = _with_executor_time(graph, float(per_stage), float(per_vertex))
+    budget = budget_for(fraction, graph)
+    fitting = [extra for peak, extra in all_strategies(graph) if peak <= budget]
+    tc = solve_exact_tc(graph, budget)
+    assert tc.feasible == bool(fitting)
+    if fitting:
+        assert tc.predicted_extra_seconds == min(fitting)
+        assert stages_peak_and_time(graph, tc) == (tc.guaranteed_peak_bytes, tc.predicted_extra_seconds)
+        assert solve_exact_mc(graph, budget).predicted_extra_seconds in fitting
+
+
+@pytest.mark.slow
+def test_the_executor_time_per_stage_makes_time_centric_plans_coarser():
+    """On a profiled GPT, where splitting a stage further saves little recomputation, the
+    stages' own cost (CPU-like figures) gives a plan with fewer stages that is faster,
+    by the model with that cost, than the plan made without it."""
+    from lightning_remat.planner import plain_peak_bytes
+
+    graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
+    budget = int(0.5 * plain_peak_bytes(graph))
+    free = solve_approx_tc(graph, budget)
+    timed_graph = _with_executor_time(graph, 2e-4, 4e-5)
+    timed = solve_approx_tc(timed_graph, budget)
+    assert free.feasible and timed.feasible and fits(timed, budget)
+    assert len(timed.stages) < len(free.stages)
+    free_rescored = make_plan(timed_graph, free.stages, "x").predicted_extra_seconds
+    assert timed.predicted_extra_seconds < free_rescored

@@ -107,6 +107,32 @@ def test_remat_leaves_the_model_as_it_found_it() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_device() -> None:
+    """The planner measures what a recomputed stage costs the executor itself (once per
+    device, leaving the process's RNG, grad mode and warning filters as they were) and the
+    plan's predicted extra time includes it."""
+    from lightning_remat.runtime.module import measure_recompute_overhead
+    from lightning_remat.solvers.simulate import recomputed_seconds
+
+    rng, filters, grad = torch.get_rng_state(), list(warnings.filters), torch.is_grad_enabled()
+    per_stage, per_vertex = measure_recompute_overhead("cpu", refresh=True)
+    assert torch.equal(torch.get_rng_state(), rng) and warnings.filters == filters
+    assert torch.is_grad_enabled() == grad
+    assert 0 < per_stage < 0.1 and 0 <= per_vertex < 0.01  # seconds: a stage costs far less
+    assert measure_recompute_overhead("cpu") == (per_stage, per_vertex)  # measured once
+
+    model = residual_cnn()
+    run = remat(model, torch.randn(4, 3, 8, 8), memory_budget=reachable_bytes(model, torch.randn(4, 3, 8, 8))[0],
+                solver="test-segments")
+    meta, plan = run.graph.meta, run.plan
+    assert (meta.recompute_stage_seconds, meta.recompute_vertex_seconds) == (per_stage, per_vertex)
+    recomputed = [s for s in plan.stages if s.action == "recompute"]
+    assert recomputed
+    assert plan.predicted_extra_seconds == pytest.approx(
+        recomputed_seconds(run.graph, plan)
+        + sum(per_stage + per_vertex * len(s.nodes) for s in recomputed))
+
+
 def test_fractions_are_of_the_profiled_plain_peak() -> None:
     graph = remat(residual_cnn(), torch.randn(2, 3, 8, 8)).graph
     assert graph.meta.plain_peak_bytes is not None  # measured by the profiler

@@ -217,3 +217,17 @@ def test_prediction_of_a_real_step_is_within_ten_percent():
     measured, predicted = got["measured"], got["predicted"]
     assert measured > 40 * 2**20  # the step really holds tens of MiB
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+def test_extra_time_adds_the_executors_own_time_per_recomputed_stage():
+    """``predicted_extra_seconds``: the forward time of what runs again, plus per recomputed
+    stage the measured ``recompute_stage_seconds`` and ``recompute_vertex_seconds`` per
+    vertex (a kept stage costs nothing)."""
+    graph = Graph.chain([4, 4, 4, 4, 4], t_fwd=[1.0, 2.0, 3.0, 4.0, 5.0])
+    stages = [(["v0", "v1"], "recompute"), (["v2", "v3"], "recompute"), (["v4"], "keep")]
+    bare = make_plan(graph, stages, "x")
+    assert bare.predicted_extra_seconds == pytest.approx(1.0 + 3.0)  # v0 and v2 run again
+    graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = 0.5, 0.25
+    timed = make_plan(graph, stages, "x")
+    assert timed.predicted_extra_seconds == pytest.approx(1.0 + 3.0 + 2 * (0.5 + 2 * 0.25))
+    assert timed.predicted_peak_bytes == bare.predicted_peak_bytes

@@ -55,8 +55,10 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
   memory);
 - ``safe``: whether the memory-safe mode measured the costs (op by op, no whole step).
 
-The planners (``planner.py``, ``runtime/module.py``) add ``bandwidth_bytes_per_s``: the
-host-device bandwidth, the offloading solvers' beta (measured once per device). Keys are
+The planner (``planner.py``) adds ``bandwidth_bytes_per_s``: the host-device bandwidth, the
+offloading solvers' beta; and ``recompute_stage_seconds`` and ``recompute_vertex_seconds``:
+what the executor itself costs per recomputed stage and per vertex in one, over the
+recomputation (each measured once per device). Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
 
@@ -245,6 +247,12 @@ class GraphMeta:
     # ---- added by the planner ----------------------------------------------------------------
     bandwidth_bytes_per_s: float | None = None
     """Host-device bandwidth, the offloading solvers' beta."""
+    recompute_stage_seconds: float | None = None
+    """The executor's own time per recomputed stage (checkpoint, policy, context), in its
+    forward and backward together, measured on the device (docs/design.md section 4.7)."""
+    recompute_vertex_seconds: float | None = None
+    """The executor's own time per vertex of a recomputed stage: each op of the stage passes
+    the selective-checkpoint policy in the forward and again in the recomputation."""
     grads_resident: bool | None = None
     """Whether the parameters' gradients exist before the step, so are resident
     (``zero_grad(set_to_none=False)``; docs/design.md section 4.7)."""

@@ -77,6 +77,7 @@ from lightning_remat.planner import (
     world_size,
 )
 from lightning_remat.report import BatchSizeReport
+from lightning_remat.runtime.module import measure_recompute_overhead
 from lightning_remat.solvers import SOLVERS, fits, get_solver, simulate
 from lightning_remat.tuning import (
     SearchResult,
@@ -302,7 +303,11 @@ class LightningTrial:
 
     def derived(self, batch_size: int) -> Graph:
         """The graph at ``batch_size`` derived from the shape family."""
-        return derive_graph(self.family, batch_size)
+        graph = derive_graph(self.family, batch_size)
+        # As the planner completes a profile: the executor's own time per recomputed stage.
+        (graph.meta.recompute_stage_seconds,
+         graph.meta.recompute_vertex_seconds) = measure_recompute_overhead(self.device)
+        return graph
 
     def _graph_for_trial(self, module: nn.Module, args: tuple, kwargs: dict, traced: Traced) -> Graph:
         """The planner's profiler in a trial: the derived graph when the traced forward is

@@ -7,7 +7,10 @@ module follows that statement exactly (paper equation numbers in brackets):
 - a strategy is an increasing sequence of lower sets ``{} = L0 < L1 < ... < Lk = V``; stage
   ``i`` computes ``Vi = Li \\ L(i-1)``;
 - extra time [eq. 1]: ``T = sum over i < k of time(Vi \\ B(Li))`` with ``time = t_fwd`` (the
-  last stage is never recomputed);
+  last stage is never recomputed), plus, where the profile measured it, the executor's own
+  time per recomputed stage, ``c_stage + c_vertex * |Vi|`` (docs/design.md section 4.7):
+  TC minimises that sum, the time the step takes; MC maximises eq. 1 alone, its aim being
+  the coarse partition, and both report the sum;
 - cache after stage i: ``U(i) = U(i-1) + mem(B(Li) \\ L(i-1))``;
 - stage memory: not eq. 2 (which has no liveness and no parameter gradients) but the
   simulator's, the one model of a step (docs/design.md sections 4.4 and 4.7): the peak is
@@ -81,6 +84,7 @@ from lightning_remat.solvers.simulate import (
     make_plan,
     model_margin,
     stage_costs,
+    stage_overhead_seconds,
     vertex_costs,
 )
 
@@ -262,6 +266,7 @@ class LowerSetFamily:
         self.extra_set = member.astype(np.int64) @ bits.extra
         self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
         self.time_kept = kept.astype(np.float64) @ bits.keepable_time
+        self.count_set = member.sum(axis=1, dtype=np.int64)
 
     @property
     def size(self) -> int:
@@ -270,9 +275,10 @@ class LowerSetFamily:
     def transitions(self, j: int) -> tuple[np.ndarray, ...]:
         """For target set j: its proper sub-lower-sets in the family (indices), and per
         source L: the stage's peak above the cache the earlier stages hold, the cache it
-        adds (its kept boundary values with their extra saved outputs), and its extra time,
+        adds (its kept boundary values with their extra saved outputs), its extra time,
         the forward time of what it recomputes (eq. 1: ``time(Vi \\ B(Li))``, 0 for the last
-        stage). See the module docstring for the stage memory."""
+        stage), and the executor's own time for the stage (``simulate.stage_overhead_seconds``,
+        0 for the last). See the module docstring for the stage memory."""
         hit = self._cache.get(j)
         if hit is not None:
             return hit
@@ -303,10 +309,15 @@ class LowerSetFamily:
                 stage_mem = stage_mem + int(bits.graph.meta.loss_peak_bytes or 0)
         if last:
             extra_time = np.zeros(sources.size, dtype=np.float64)  # the last stage: no recompute
+            overhead = extra_time
         else:
             stage_time = self.time_set[j] - self.time_set[sources]
             extra_time = np.maximum(stage_time - (self.time_kept[j] - time_before), 0.0)
-        result = (sources, stage_mem.astype(np.int64), cache_add.astype(np.int64), extra_time)
+            # Every recomputed stage runs under checkpoint: the executor's own time.
+            per_vertex = stage_overhead_seconds(bits.graph, 1) - stage_overhead_seconds(bits.graph, 0)
+            overhead = (stage_overhead_seconds(bits.graph, 0)
+                        + (self.count_set[j] - self.count_set[sources]) * per_vertex)
+        result = (sources, stage_mem.astype(np.int64), cache_add.astype(np.int64), extra_time, overhead)
         if self._cached_entries + sources.size <= _TRANSITION_CACHE_ENTRIES:
             self._cache[j] = result
             self._cached_entries += sources.size
@@ -340,7 +351,7 @@ class LowerSetFamily:
         best = np.full(self.size, _INF, dtype=np.int64)
         best[0] = 0
         for j in range(1, self.size):
-            sources, stage_mem, cache_add, _ = self.transitions(j)
+            sources, stage_mem, cache_add, *_ = self.transitions(j)
             cache = best[sources]
             ok = (cache != _INF) & (cache + stage_mem <= budget)
             if ok.any():
@@ -352,11 +363,11 @@ class LowerSetFamily:
         sequence of family indices."""
         cache, peak, extra = 0, 0, 0.0
         for before, after in zip(sequence, sequence[1:]):
-            sources, stage_mem, cache_add, extra_time = self.transitions(after)
+            sources, stage_mem, cache_add, extra_time, overhead = self.transitions(after)
             k = int(np.searchsorted(sources, before))
             peak = max(peak, cache + int(stage_mem[k]))
             cache += int(cache_add[k])
-            extra += float(extra_time[k])
+            extra += float(extra_time[k]) + float(overhead[k])
         return peak, extra
 
     def finish_need(self) -> np.ndarray:
@@ -371,7 +382,7 @@ class LowerSetFamily:
             for j in range(self.size - 1, 0, -1):
                 if need[j] == _INF:
                     continue
-                sources, stage_mem, cache_add, _ = self.transitions(j)
+                sources, stage_mem, cache_add, *_ = self.transitions(j)
                 through_j = np.maximum(stage_mem, cache_add + need[j])
                 need[sources] = np.minimum(need[sources], through_j)
             self._finish_need = need
@@ -428,7 +439,9 @@ class LowerSetFamily:
         stop[0], least_m[0] = 1, 0  # state 0: ({}, t=0, m=0)
         count = 1
         for j in range(1, self.size):
-            sources, stage_mem, cache_add, extra_time = self.transitions(j)
+            sources, stage_mem, cache_add, extra_time, overhead = self.transitions(j)
+            if objective == "tc":  # the time that is minimised is the time the step takes
+                extra_time = extra_time + overhead
             # Sources none of whose states can afford the stage are skipped before gathering.
             # A state (L, t, m) may take this step when m + stage <= M and the new cache can
             # still finish (m + added + g(L') <= M): one cap on m per source.

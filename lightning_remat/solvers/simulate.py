@@ -750,7 +750,8 @@ def make_plan(
     if extra_seconds is None:
         plan.predicted_extra_seconds = (
             float(sum(graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"))
-            if whole_stages else recomputed_seconds(graph, plan))
+            if whole_stages else recomputed_seconds(graph, plan)
+        ) + executor_seconds(graph, plan)
     plan.predicted_peak_bytes = simulate(graph, plan, whole_stages=whole_stages).peak_bytes
     plan.margin_bytes = model_margin(graph)
     plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
@@ -788,6 +789,21 @@ def recomputed_seconds(graph: Graph, plan: Plan) -> float:
     """The forward time of what the executor recomputes (:func:`recomputed_vertices`):
     Kusumoto et al.'s eq. 1 for the plan's stages."""
     return float(sum(graph.total("t_fwd", vs) for vs in recomputed_vertices(graph, plan)))
+
+
+def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
+    """The executor's own time for one recomputed stage of ``n_vertices`` vertices, beyond
+    the ops it runs again (docs/design.md section 4.7): ``meta.recompute_stage_seconds +
+    n_vertices * meta.recompute_vertex_seconds``, 0 where the profile has neither."""
+    meta = graph.meta
+    return float(meta.recompute_stage_seconds or 0.0) + n_vertices * float(meta.recompute_vertex_seconds or 0.0)
+
+
+def executor_seconds(graph: Graph, plan: Plan) -> float:
+    """The executor's own time under ``plan``: :func:`stage_overhead_seconds` for each
+    recomputed stage (each runs under checkpoint and its selective policy, even one whose
+    vertices are all kept)."""
+    return sum(stage_overhead_seconds(graph, len(s.nodes)) for s in plan.stages if s.action == "recompute")
 
 
 def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
