@@ -20,9 +20,10 @@ module follows that statement exactly (paper equation numbers in brackets):
   approximate one where simulating every pair is cheap, take ``f`` and ``kept`` from the
   simulator (exact). Otherwise the approximate DP uses an upper bound, vectorised:
   ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
-  and transient bytes at v's backward peak, the same under every plan; storage shared
-  between vertices (views, in-place ops, gradients passed through ``add``) is counted per
-  vertex, a random op's boundary value (recomputed, held by its readers) as kept, and the
+  and transient bytes at v's backward peak, the same under every plan; a view allocates
+  nothing (its base's storage is counted where the base is), other storage shared between
+  vertices (in-place ops, which a plan may give storage of their own; gradients passed
+  through ``add``) is counted per vertex, a random op's boundary value (recomputed, held by its readers) as kept, and the
   loss's measured peak on top of the last stage. Where
   that bound finds no strategy for a budget and simulating every pair stays affordable
   (``_TIGHTER_WORK``), the simulator's own costs are used, so a tight budget is decided by
@@ -121,6 +122,7 @@ class _GraphBits:
     integer_times: bool
     graph: Graph
     size: np.ndarray  # int64 bytes each output allocates (the simulator's: 0 for resident views)
+    allocated: np.ndarray  # int64 the same, 0 for views of other vertices' storage
     extra: np.ndarray  # int64 bytes each op saves besides forward values
     keepable_time: np.ndarray  # float64 t_fwd of vertices a recomputed stage can keep, else 0
     output: np.ndarray  # bool: the vertex leaves the forward
@@ -148,6 +150,8 @@ def _graph_bits(graph: Graph) -> _GraphBits:
     costs = vertex_costs(graph)
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
     size = np.array([costs.size[v] for v in ids], dtype=np.int64)
+    # A view allocates nothing: its storage is its base's, counted where the base is.
+    allocated = np.array([0 if v in costs.views else costs.size[v] for v in ids], dtype=np.int64)
     extra = np.array([costs.extra[v] for v in ids], dtype=np.int64)
     return _GraphBits(
         ids=ids,
@@ -159,6 +163,7 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         integer_times=all(t.is_integer() for t in times),
         graph=graph,
         size=size,
+        allocated=allocated,
         extra=extra,
         keepable_time=np.array([0.0 if n.op in RANDOM_OPS else float(n.t_fwd) for n in graph.nodes]),
         output=np.array([v in outputs for v in ids], dtype=bool),
@@ -262,7 +267,7 @@ class LowerSetFamily:
         # What the executor keeps: B(L) and the model outputs in L (docs/design.md section 5).
         kept = boundary | (member & bits.output)
         self.kept_idx = [np.flatnonzero(row) for row in kept]
-        self.size_set = member.astype(np.int64) @ bits.size
+        self.size_set = member.astype(np.int64) @ bits.allocated
         self.extra_set = member.astype(np.int64) @ bits.extra
         self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
         self.time_kept = kept.astype(np.float64) @ bits.keepable_time

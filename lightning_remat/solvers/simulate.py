@@ -268,6 +268,9 @@ class VertexCosts:
     """Bytes the op saves besides forward values."""
     param_bytes: dict[str, int]
     """Bytes of the gradients of the op's parameters."""
+    views: set[str] = field(default_factory=set)
+    """Vertices whose output is a view of another vertex's storage: they allocate nothing
+    under any plan (an in-place op may get a storage of its own, ``rewritten_inplace``)."""
 
 
 def vertex_costs(graph: Graph) -> VertexCosts:
@@ -276,7 +279,8 @@ def vertex_costs(graph: Graph) -> VertexCosts:
     if graph.ids:
         sim.run()
     gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
-    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes))
+    views = {v for v in graph.ids if sim.base[v] != v and _inplace_operand(graph, v) is None}
+    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes), views)
 
 
 @dataclass
