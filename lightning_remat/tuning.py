@@ -265,6 +265,66 @@ def predict_largest(fits: Callable[[int], bool], init_val: int, max_val: int,
     return bracket(records).largest_feasible or None
 
 
+def predict_largest_by_min_budget(min_budget_at: Callable[[int], int], budget: int, init_val: int,
+                                  max_val: int, granularity: int = 1, max_evaluations: int = 10) -> int | None:
+    """The largest size whose smallest feasible budget ``min_budget_at(size)`` is within
+    ``budget``, in few evaluations. A plan's smallest budget grows about linearly with the
+    batch (the activations do; the parameters do not), so after ``init_val`` and twice it
+    (or half, while it does not fit) each guess is where the line through the two known
+    sizes nearest the budget's crossing meets the budget, and the guess's neighbour
+    ``granularity`` further toward the crossing comes next: a right line closes the bracket
+    in those two. Where a guess does not halve the bracket, the next is its midpoint, so
+    a curved line costs no more than bisection. Each size is evaluated once, at most
+    ``max_evaluations``; then the largest known to fit (None when none does)."""
+    check_search_args(init_val, max_val, granularity)
+    known: dict[int, int] = {}
+
+    def bracket_of() -> tuple[int, int]:
+        fitting = [s for s, m in known.items() if m <= budget]
+        failing = [s for s, m in known.items() if m > budget]
+        return max(fitting, default=0), min(failing, default=max_val + 1)
+
+    def closed(lo: int, hi: int) -> bool:
+        return hi - lo <= granularity or lo >= max_val or hi <= 1
+
+    size = init_val
+    width = None  # the bracket's width before the last guess
+    guessed = False  # whether ``size`` came from the line (its neighbour comes next)
+    while size not in known and len(known) < max_evaluations:
+        known[size] = int(min_budget_at(size))
+        lo, hi = bracket_of()
+        if closed(lo, hi):
+            break
+        neighbour = size + granularity if size == lo else size - granularity
+        if guessed and lo < neighbour < hi and neighbour not in known:
+            size, guessed = neighbour, False
+            continue
+        guess = _secant_guess(known, budget, lo, hi, max_val)
+        if width is not None and hi <= max_val and 2 * (hi - lo) > width:
+            guess = (lo + hi) // 2  # the line is bending: bisect
+        width = hi - lo if hi <= max_val else None
+        if guess in known or not lo < guess < hi:
+            break
+        size, guessed = guess, len(known) >= 2
+    fitting = [s for s, m in known.items() if m <= budget]
+    return max(fitting) if fitting else None
+
+
+def _secant_guess(known: dict[int, int], budget: int, lo: int, hi: int, max_val: int) -> int:
+    """Where the line through the two known sizes nearest the crossing meets ``budget``
+    (twice or half the one size known), strictly inside the bracket ``(lo, hi)``."""
+    sizes = sorted(known)
+    if lo and hi <= max_val:
+        a, b = lo, hi
+    elif len(sizes) >= 2:
+        a, b = (sizes[-2], sizes[-1]) if lo else (sizes[0], sizes[1])
+    else:
+        return min(2 * lo, max_val) if lo else max(1, hi // 2)
+    slope = (known[b] - known[a]) / (b - a)
+    guess = max_val if slope <= 0 else int(a + (budget - known[a]) / slope)
+    return min(max(guess, lo + 1), hi - 1, max_val)
+
+
 def check_search_args(init_val: int, max_val: int, granularity: int) -> None:
     for name, value in (("init_val", init_val), ("max_val", max_val), ("granularity", granularity)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -13,7 +13,12 @@ import lightning_remat.lightning.batch_size as batch_size_mod
 import lightning_remat.planner as planner_mod
 from lightning_remat import RematStrategy
 from lightning_remat.callbacks import RematBatchSizeFinder
-from lightning_remat.tuning import next_batch_size, predict_largest, run_search
+from lightning_remat.tuning import (
+    next_batch_size,
+    predict_largest,
+    predict_largest_by_min_budget,
+    run_search,
+)
 from tests.test_batch_size import SizedConvNet, brute_force, threshold_trial
 
 
@@ -47,6 +52,35 @@ def test_predict_largest_is_the_search_on_predictions():
         assert predict_largest(fits, 4, 512) == brute_force(lambda b, t=threshold: b <= t, 512)
         assert len(calls) == len(set(calls))  # each size solved once
     assert next_batch_size([(8, True), (9, False)], 2, 64, hint=8) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(fixed=st.integers(0, 2000), per_sample=st.integers(1, 60), curve=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
+       budget=st.integers(0, 8000), init_val=st.integers(1, 40), span=st.integers(0, 400))
+def test_the_prediction_by_smallest_budget_finds_the_crossing_in_few_solves(
+        fixed, per_sample, curve, budget, init_val, span):
+    """A smallest budget that grows linearly with the batch (as activations do) is crossed
+    exactly in at most 7 evaluations, most often 4; a curved one never gives a size that
+    does not fit, and each size is evaluated once."""
+    max_val = init_val + span
+
+    def smallest(size: int) -> int:
+        return int(fixed + per_sample * size + curve * size ** 1.5)
+
+    calls: list[int] = []
+
+    def counted(size: int) -> int:
+        calls.append(size)
+        return smallest(size)
+
+    found = predict_largest_by_min_budget(counted, budget, init_val, max_val)
+    truth = brute_force(lambda b: smallest(b) <= budget, max_val)
+    assert len(calls) == len(set(calls)) <= 10
+    if curve == 0.0:
+        assert found == truth and len(calls) <= 7
+    else:
+        assert found is None or smallest(found) <= budget
+        assert (found or 0) <= (truth or 0)
 
 
 @pytest.mark.slow

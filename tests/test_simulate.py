@@ -167,6 +167,28 @@ def test_every_byte_is_accounted_for(seed):
 
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_one_stages_cost_alone_equals_the_whole_steps_fold(seed):
+    """``stage_cost`` (the simulation cut short after the stage's backward, the vertex data
+    shared between plans, as Kusumoto's DP runs it) gives each stage the figures of
+    ``stage_costs``, on plans whose in-place ops are and are not rewritten."""
+    from lightning_remat.solvers.simulate import SharedSteps, stage_cost, stage_costs
+
+    g = random_dag(40, seed)
+    ids = g.ids
+    rng = random.Random(seed)
+    shared = SharedSteps(g)
+    for _ in range(6):
+        cuts = sorted(rng.sample(range(1, 40), rng.randint(1, 6)))
+        bounds = [0, *cuts, 40]
+        stages = [(ids[a:b], "recompute") for a, b in zip(bounds, bounds[1:])]
+        stages[-1] = (stages[-1][0], "keep")
+        plan = make_plan(g, stages, "t")
+        whole = stage_costs(g, plan)
+        for k in range(len(stages)):
+            assert stage_cost(g, plan, k, shared) == whole[k]
+
+
 _REAL_MLP = r"""
 import json
 from lightning_remat.meter import peak_bytes

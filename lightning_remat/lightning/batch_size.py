@@ -78,7 +78,7 @@ from lightning_remat.planner import (
 )
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.runtime.module import measure_recompute_overhead
-from lightning_remat.solvers import SOLVERS, fits, get_solver, simulate
+from lightning_remat.solvers import SOLVERS, min_budget, simulate
 from lightning_remat.tuning import (
     SearchResult,
     TrialFn,
@@ -86,6 +86,7 @@ from lightning_remat.tuning import (
     check_search_args,
     default_storage,
     predict_largest,
+    predict_largest_by_min_budget,
     run_search,
     run_search_across_ranks,
     study_name_for,
@@ -553,20 +554,24 @@ class RematBatchSizeFinder(Callback):
     def _predict(self, trial: TrialFn, solver: str, settings: SearchSettings, init_val: int) -> int | None:
         """The largest size predicted to fit, from the graphs the shape family gives each
         size (None without a family): plain training by the plain peak fitted to the
-        profiles, a solver by whether its plan for the derived graph fits the budget."""
+        profiles, a solver by where its smallest budget on the derived graphs crosses the
+        budget (:func:`~lightning_remat.tuning.predict_largest_by_min_budget`)."""
         if not isinstance(trial, LightningTrial) or not trial.family:
             return None
         budget = settings.budget_bytes
         options = solver_options(solver, settings.device, settings.plan.offload)
 
-        def predicted_fit(size: int) -> bool:
-            graph = trial.derived(size)
-            if solver == PLAIN:
-                peak = graph.meta.plain_peak_bytes or simulate(graph).peak_bytes
-                return peak <= budget
-            return fits(get_solver(solver)(graph, budget, **options), budget)
+        if solver == PLAIN:
+            def plain_fits(size: int) -> bool:
+                graph = trial.derived(size)
+                return (graph.meta.plain_peak_bytes or simulate(graph).peak_bytes) <= budget
 
-        return predict_largest(predicted_fit, init_val, self.max_val, self.granularity)
+            return predict_largest(plain_fits, init_val, self.max_val, self.granularity)
+        # A solver's smallest budget grows about linearly with the batch: a few sizes' give
+        # the crossing, where a search on fits-or-not solves at every size it doubles to.
+        return predict_largest_by_min_budget(
+            lambda size: min_budget(trial.derived(size), solver, **options), budget, init_val,
+            self.max_val, self.granularity)
 
     def family_sizes(self) -> list[int]:
         """The batch sizes the shape family is profiled at: ``init_val`` and half of it (2

@@ -82,9 +82,10 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.simulate import (
     RANDOM_OPS,
+    SharedSteps,
     make_plan,
     model_margin,
-    stage_costs,
+    stage_cost,
     stage_overhead_seconds,
     vertex_costs,
 )
@@ -237,6 +238,7 @@ class LowerSetFamily:
     _cache: dict[int, tuple[np.ndarray, ...]] = field(init=False, default_factory=dict)
     _cached_entries: int = field(init=False, default=0)
     _finish_need: np.ndarray | None = field(init=False, default=None)
+    _shared: SharedSteps | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -337,6 +339,8 @@ class LowerSetFamily:
         after = [ids[i] for i in np.flatnonzero(~self.member[j])]
         stage_mem = np.zeros(sources.size, dtype=np.int64)
         cache_add = np.zeros(sources.size, dtype=np.int64)
+        if self._shared is None:
+            self._shared = SharedSteps(graph)
         for position, source in enumerate(sources):
             before = [ids[i] for i in np.flatnonzero(self.member[source])]
             middle = [ids[i] for i in np.flatnonzero(self.member[j] & ~self.member[source])]
@@ -344,7 +348,7 @@ class LowerSetFamily:
             stages.append(Stage(middle, "keep" if last else "recompute"))
             if after:
                 stages.append(Stage(after, "keep"))
-            cost = stage_costs(graph, Plan(stages, [], 0, 0.0, "", True))[1 if before else 0]
+            cost = stage_cost(graph, Plan(stages, [], 0, 0.0, "", True), 1 if before else 0, self._shared)
             stage_mem[position] = cost.peak_above_cache
             cache_add[position] = cost.cache_bytes
         return stage_mem, cache_add

@@ -68,6 +68,7 @@ keeps that model in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
@@ -316,6 +317,31 @@ def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
     return costs
 
 
+class SharedSteps:
+    """What every simulation of one graph shares (its adjacency and the per-vertex data,
+    the latter per set of in-place ops a plan rewrites), for callers that simulate many
+    plans of it (Kusumoto's DP with the simulator's stage costs)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.node = {v: graph[v] for v in graph.ids}
+        self.succ = {v: graph.successors(v) for v in graph.ids}
+        self.pred = {v: graph.predecessors(v) for v in graph.ids}
+        self.vertices: dict[frozenset[str], dict[str, Any]] = {}
+
+
+def stage_cost(graph: Graph, plan: Plan, k: int, shared: SharedSteps | None = None) -> StageCost:
+    """``stage_costs(graph, plan)[k]``, simulating only up to the end of stage k's backward
+    (what comes later cannot change its figures)."""
+    sim = _StepSimulation(graph, plan, shared=shared)
+    peak = 0
+    if graph.ids:
+        for event in sim.run(stop_after=k).events:
+            if event.stage == k:
+                peak = max(peak, event.peak_bytes)
+    return StageCost(peak - sum(sim.kept_bytes[:k]), sim.kept_bytes[k])
+
+
 def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
     keep-everything plan when None): a forward, the loss, ``loss.backward()``.
@@ -337,7 +363,8 @@ class _StepSimulation:
     besides values, ``("grad", v | n)`` a gradient, ``("param_grad", v)`` v's parameters'
     gradients."""
 
-    def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False) -> None:
+    def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False,
+                 shared: SharedSteps | None = None) -> None:
         ids = graph.ids
         if plan is None:
             self.stages: list[list[str]] = [ids]
@@ -350,10 +377,16 @@ class _StepSimulation:
             self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan)
             self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
-        self.node = {v: graph[v] for v in ids}
-        self.succ = {v: graph.successors(v) for v in ids}
-        self.pred = {v: graph.predecessors(v) for v in ids}
-        self._prepare_vertices(graph)
+        shared = shared if shared is not None else SharedSteps(graph)
+        self.node, self.succ, self.pred = shared.node, shared.succ, shared.pred
+        prepared = shared.vertices.get(frozenset(self.own_storage))
+        if prepared is None:
+            before = set(self.__dict__)
+            self._prepare_vertices(graph)
+            prepared = shared.vertices[frozenset(self.own_storage)] = {
+                name: value for name, value in self.__dict__.items() if name not in before}
+        else:
+            self.__dict__.update(prepared)  # read-only while the step runs
 
         self.mem = _Storages()
         self.timeline = Timeline()
@@ -373,7 +406,8 @@ class _StepSimulation:
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
 
-    def run(self) -> Timeline:
+    def run(self, stop_after: int | None = None) -> Timeline:
+        """The step's events; ``stop_after``: stop when that stage's backward ends."""
         for k in range(len(self.stages)):
             self._forward_stage(k)
         self._loss()
@@ -383,6 +417,8 @@ class _StepSimulation:
             elif self.actions[k] == "offload":
                 self._restore_stage(k)
             self._backward_stage(k)
+            if k == stop_after:
+                break
         return self.timeline
 
     # ---- per-vertex data -------------------------------------------------------------------
