@@ -137,6 +137,12 @@ EQUAL_MEMORY_SET = {
 
 
 # ---- one measurement (a fresh process) -------------------------------------------------------
+def step_loss(out: Any) -> Any:
+    """The loss every measured step takes, and the one the plans are made for: the sum of
+    the output (its gradient is a broadcast scalar, which the profile measures)."""
+    return out.float().sum()
+
+
 def build(model_name: str, device_kind: str, batch: int, size: int):
     """(model, example input, sequential form or None) on the CPU, seeded."""
     import torch
@@ -208,7 +214,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
 
     # The plain model's gradients and BatchNorm statistics after one step on this batch.
     torch.manual_seed(1)
-    model(x).float().sum().backward()
+    step_loss(model(x)).backward()
     plain_grads = [p.grad.detach().clone() for p in model.parameters()]
     plain_norms = _norm_buffers(model)
     model.zero_grad(set_to_none=True)
@@ -242,7 +248,8 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         memory_budget: int | str = cap_bytes if cap_bytes is not None else budget
         start = time.perf_counter()
         try:
-            run = lightning_remat.remat(model, x, memory_budget=memory_budget, solver=solver)
+            run = lightning_remat.remat(model, x, memory_budget=memory_budget, solver=solver,
+                                        loss_fn=step_loss)
         except lightning_remat.RematInfeasibleError as exc:
             skipped = {"skipped": "infeasible", "min_budget_bytes": exc.min_budget_bytes}
             if cap_bytes is None and budget.endswith("%"):
@@ -279,7 +286,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
 
     def step() -> None:
         torch.manual_seed(1)
-        run(x).float().sum().backward()
+        step_loss(run(x)).backward()
 
     try:
         step()  # warm-up: compilation, allocator and oneDNN first-call caches
@@ -299,7 +306,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
 
     def plain_step() -> None:
         torch.manual_seed(1)
-        model(x).float().sum().backward()
+        step_loss(model(x)).backward()
 
     # Plain and method steps alternate in this process, so the ratio compares steps taken
     # under the same conditions (machine load drifts between processes).
@@ -402,7 +409,7 @@ def _plain_graph(model, x):
     """The model's profiled graph (the plain plan's, so nothing is solved)."""
     import lightning_remat
 
-    return lightning_remat.remat(model, x, memory_budget=None, solver="plain").graph
+    return lightning_remat.remat(model, x, memory_budget=None, solver="plain", loss_fn=step_loss).graph
 
 
 def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:

@@ -210,6 +210,18 @@ def test_custom_loss_is_used():
     assert len(graph) == 5
 
 
+def test_the_gradients_the_loss_sends_the_outputs_are_measured_with_it():
+    """A sum sends the outputs a broadcast scalar (one element); a mean of squares a tensor
+    as large as the output. Without a loss, nothing is measured (the simulator then counts
+    each output's gradient as large as the output)."""
+    x = torch.randn(3, 16)
+    summed = _fast(models.mlp(), x, loss_fn=torch.sum)
+    squared = _fast(models.mlp(), x, loss_fn=lambda out: out.pow(2).mean())
+    assert summed.meta.output_grad_bytes <= F32  # one element, broadcast
+    assert squared.meta.output_grad_bytes == 3 * 16 * F32
+    assert _fast(models.mlp(), x).meta.output_grad_bytes is None
+
+
 def test_output_without_floats_needs_a_loss():
     model = nn.Sequential(nn.Linear(4, 4), _ArgMax())
     with pytest.raises(ValueError, match="loss_fn"):
@@ -278,8 +290,10 @@ def test_dropout_tied_weights_inplace_and_dict_output():
     normal = _fast(model, x)
     safe = _fast(model, x, safe=True)
     assert normal.ids == ["fc", "add_", "drop", "relu_", "fc_1", "argmax"]
-    # the Linear called twice owns its parameters once
+    # the Linear called twice owns its parameters once; their gradient appears in the
+    # backward of its last call, the first to run backward
     assert normal.meta.param_bytes == {"fc": (8 * 8 + 8) * F32}
+    assert normal.meta.param_grad_bytes == {"fc_1": (8 * 8 + 8) * F32}
     assert sorted(normal.meta.outputs) == ["argmax", "fc_1"]
     assert normal.meta.aliases == {"add_": "fc", "relu_": "drop"}
     # dropout keeps a mask of its own (float on CPU, bool with the fused CUDA kernel);

@@ -22,6 +22,9 @@ unless a writer set it; other keys are kept as they are in ``GraphMeta.extra``. 
 - ``param_bytes``: ``{id: bytes}`` of the parameters a vertex's op owns (their gradients are
   allocated during the backward of the first step). Absent, the simulator takes every
   vertex to need a gradient; present (even empty), only those computed from a parameter;
+- ``param_grad_bytes``: ``{id: bytes}`` of the parameter gradients a vertex's backward
+  allocates, each parameter's at its last op in the forward (a tied weight's at its last
+  reader, not its owner). Absent, at the owner;
 - ``shape_edges``: ``[[u, v], ...]`` the edges through which only ``u``'s shape flows
   (``v`` does not need ``u``'s value alive).
 
@@ -212,6 +215,9 @@ class GraphMeta:
     """Ids of the vertices whose values leave the forward (None: the last vertex)."""
     param_bytes: dict[str, int] | None = None
     """``{id: bytes}`` of the parameters each vertex's op owns."""
+    param_grad_bytes: dict[str, int] | None = None
+    """``{id: bytes}`` of the parameter gradients each vertex's backward allocates: each
+    parameter's at its last op in the forward (None: at its owner, ``param_bytes``)."""
     shape_edges: list[list[str]] | None = None
     """``[[u, v], ...]``: edges through which only ``u``'s shape flows."""
     # ---- the profiled step -------------------------------------------------------------------
@@ -228,6 +234,10 @@ class GraphMeta:
     loss_peak_bytes: int | None = None
     """Measured peak of the loss alone, from the outputs to their gradients (None: not
     measured)."""
+    output_grad_bytes: int | None = None
+    """Bytes of the gradients the loss sends to the outputs, measured with the loss (a
+    sum's broadcast scalar takes none, a cross-entropy's as much as the logits; None: not
+    measured, each output's gradient as large as the output)."""
     step_seconds: float | None = None
     """Median plain step (in safe mode the sum of the vertex times)."""
     batch_dependent: dict[str, bool] | None = None

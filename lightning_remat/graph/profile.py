@@ -759,7 +759,8 @@ def profile_module(
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
                 if measure_loss:
-                    meta.loss_peak_bytes = _loss_peak(module, inputs, kwargs, loss_fn, device)
+                    meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
+                        module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
                                                       plain_seconds, note)
                 meta.step_seconds = plain_seconds or wall
@@ -778,6 +779,7 @@ def profile_module(
         if safe:
             meta.plain_peak_bytes = None
             meta.loss_peak_bytes = None
+            meta.output_grad_bytes = None
             meta.step_seconds = None
             note("profile: each op alone (memory-safe mode)")
             records = _profile_safe(make, grad_holders, warmup, repeats, device)
@@ -848,11 +850,12 @@ def _plain_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, An
 
 
 def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
-               device: torch.device) -> int:
+               device: torch.device) -> tuple[int, int]:
     """The loss alone (``meta.loss_peak_bytes``): on the outputs of a forward without
     autograd, made leaves, the peak of ``loss_fn`` and the gradients it sends to the
     outputs, inside the meter. A sum sends a broadcast scalar (nothing); a cross-entropy
-    over a vocabulary holds its log-probabilities and their gradient beside the logits'."""
+    over a vocabulary holds its log-probabilities and their gradient beside the logits'.
+    With it, the bytes of those gradients (``meta.output_grad_bytes``): each storage once."""
     with torch.no_grad():
         outputs = module(*inputs, **kwargs)
 
@@ -865,7 +868,10 @@ def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
     del outputs
     wanting = [t for t in pytree.tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
 
-    peak = int(peak_bytes(partial(_loss_and_gradients, loss_fn, leaves, wanting), device))
+    sent: list[torch.Tensor] = []
+    peak = int(peak_bytes(partial(_loss_and_gradients, loss_fn, leaves, wanting, sent), device))
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in sent}
+    del sent
     held = [weakref.ref(t) for t in wanting]
     del leaves, wanting
     if any(ref() is not None for ref in held):
@@ -875,13 +881,15 @@ def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
             "counts them freed: the measured peak can exceed the plan's. Take the loss without "
             "keeping the outputs (a recursive closure over a list of them is such a cycle)",
             UserWarning, stacklevel=4)
-    return peak
+    return peak, int(sum(storages.values()))
 
 
-def _loss_and_gradients(loss_fn: LossFn, leaves: Any, wanting: list[torch.Tensor]) -> None:
+def _loss_and_gradients(loss_fn: LossFn, leaves: Any, wanting: list[torch.Tensor],
+                        sent: list[torch.Tensor]) -> None:
     loss = loss_fn(leaves)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        torch.autograd.grad(loss, wanting, allow_unused=True)
+        grads = torch.autograd.grad(loss, wanting, allow_unused=True)
+        sent.extend(g for g in grads if g is not None)
 
 
 _UNSETTLED_SHARE = 0.05

@@ -90,6 +90,8 @@ def derive_graph(profiles: Sequence[Graph], batch_size: int) -> Graph:
         meta.step_seconds = None
         if base.loss_peak_bytes is not None:  # the loss works on the batch's outputs
             meta.loss_peak_bytes = int(round(base.loss_peak_bytes * ratio))
+        if base.output_grad_bytes is not None:
+            meta.output_grad_bytes = int(round(base.output_grad_bytes * ratio))
         if all(dependent.get(n.id, True) for n in graphs[0].nodes):
             meta.batch_dependent = base.batch_dependent
         return derived
@@ -125,6 +127,11 @@ def derive_graph(profiles: Sequence[Graph], batch_size: int) -> Graph:
         meta.loss_peak_bytes = max(0, int(round(at(small.meta.loss_peak_bytes, large.meta.loss_peak_bytes))))
     else:
         meta.loss_peak_bytes = None
+    if small.meta.output_grad_bytes is not None and large.meta.output_grad_bytes is not None:
+        meta.output_grad_bytes = max(0, int(round(at(small.meta.output_grad_bytes,
+                                                     large.meta.output_grad_bytes))))
+    else:
+        meta.output_grad_bytes = None
     if small.meta.step_seconds and large.meta.step_seconds:
         meta.step_seconds = at(small.meta.step_seconds, large.meta.step_seconds, growing=True)
     # A vertex grows with the batch when its bytes do.

@@ -430,10 +430,12 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
     # the first op using it. Each parameter is counted once (weight tying, modules called twice).
     param_bytes: dict[str, int] = {}
     counted: set[int] = set()
+    last_user: dict[int, tuple[str, int]] = {}  # parameter -> (its last op, its bytes)
 
     def add_params(vid: str, params: Iterator[torch.Tensor]) -> None:
         total = 0
         for p in params:
+            last_user[id(p)] = (vid, local_bytes(p))
             if id(p) not in counted:
                 counted.add(id(p))
                 total += local_bytes(p)
@@ -452,8 +454,14 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
                     add_params(charge[n.name], iter([value]))
 
     graph_nodes = [Node(id=n.name, op=_op_name(gm, n)) for n in nodes if n.name in vertex]
+    # A parameter's gradient appears in the backward of its last op (the first to run
+    # backward), which for a tied weight is not the op that owns it.
+    param_grad_bytes: dict[str, int] = {}
+    for vid, nbytes in last_user.values():
+        if nbytes:
+            param_grad_bytes[vid] = param_grad_bytes.get(vid, 0) + nbytes
     meta = GraphMeta(input_consumers=input_consumers, outputs=outputs, param_bytes=param_bytes,
-                     shape_edges=shape_edges)
+                     param_grad_bytes=param_grad_bytes, shape_edges=shape_edges)
     return Graph(graph_nodes, edges, meta), charge
 
 

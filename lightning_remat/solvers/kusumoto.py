@@ -83,6 +83,7 @@ from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.simulate import (
     RANDOM_OPS,
     SharedSteps,
+    data_edges,
     make_plan,
     model_margin,
     stage_cost,
@@ -122,7 +123,7 @@ class _GraphBits:
     dst: np.ndarray  # edge heads
     integer_times: bool
     graph: Graph
-    size: np.ndarray  # int64 bytes each output allocates (the simulator's: 0 for resident views)
+    size: np.ndarray  # int64 bytes of the storage each output lives in (its base's for a view)
     allocated: np.ndarray  # int64 the same, 0 for views of other vertices' storage
     extra: np.ndarray  # int64 bytes each op saves besides forward values
     keepable_time: np.ndarray  # float64 t_fwd of vertices a recomputed stage can keep, else 0
@@ -142,15 +143,18 @@ def _graph_bits(graph: Graph) -> _GraphBits:
     ids = graph.ids
     index = {nid: i for i, nid in enumerate(ids)}
     pred_bits = [0] * len(ids)
-    src, dst = [], []
-    for u, v in graph.edges:
+    for u, v in graph.edges:  # every edge orders its ends
         pred_bits[index[v]] |= 1 << index[u]
+    # Only edges a value flows through make a boundary or hold memory (simulate.data_edges).
+    src, dst = [], []
+    for u, v in data_edges(graph):
         src.append(index[u])
         dst.append(index[v])
     times = [float(node.t_fwd) for node in graph.nodes]
     costs = vertex_costs(graph)
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
-    size = np.array([costs.size[v] for v in ids], dtype=np.int64)
+    # What a kept value holds: its storage (a view's base's).
+    size = np.array([costs.storage[v] for v in ids], dtype=np.int64)
     # A view allocates nothing: its storage is its base's, counted where the base is.
     allocated = np.array([0 if v in costs.views else costs.size[v] for v in ids], dtype=np.int64)
     extra = np.array([costs.extra[v] for v in ids], dtype=np.int64)

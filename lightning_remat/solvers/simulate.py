@@ -110,6 +110,26 @@ between them as large as what they save besides their inputs: ``cross_entropy`` 
 this internal gradient is the op's backward workspace."""
 
 
+def data_edges(graph: Graph) -> list[tuple[str, str]]:
+    """The edges through which a value flows: all but ``meta.shape_edges``. A consumer that
+    reads only its input's shape (``x.view(q.size(0), ...)``) holds none of its storage, is
+    no reason to keep it at a stage boundary (the executor reads the size in the
+    producer's stage, ``runtime.stages``) and hands it no gradient; the edge still orders
+    the two."""
+    shape = {(u, v) for u, v in graph.meta.shape_edges or ()}
+    return [(u, v) for u, v in graph.edges if (u, v) not in shape]
+
+
+def _adjacency(graph: Graph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Successors and predecessors along :func:`data_edges`, in the graph's order."""
+    succ: dict[str, list[str]] = {v: [] for v in graph.ids}
+    pred: dict[str, list[str]] = {v: [] for v in graph.ids}
+    for u, v in data_edges(graph):
+        succ[u].append(v)
+        pred[v].append(u)
+    return succ, pred
+
+
 def _inplace_operand(graph: Graph, v: str) -> str | None:
     """The vertex whose storage the in-place op ``v`` modifies (None: not an in-place op,
     or it modifies an input): its latest predecessor in the storage ``meta.aliases`` names."""
@@ -121,7 +141,7 @@ def _inplace_operand(graph: Graph, v: str) -> str | None:
     return max(same, key=graph.position) if same else None
 
 
-def rewritten_inplace(graph: Graph, plan: Plan) -> set[str]:
+def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> set[str]:
     """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
     that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
     vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
@@ -130,9 +150,10 @@ def rewritten_inplace(graph: Graph, plan: Plan) -> set[str]:
     stage_of = plan.stage_of()
     recomputed = [st.action == "recompute" for st in plan.stages]
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+    succ = succ if succ is not None else _adjacency(graph)[0]
 
     def crosses(x: str) -> bool:
-        return x in outputs or any(stage_of[w] != stage_of[x] for w in graph.successors(x))
+        return x in outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
 
     rewritten: set[str] = set()
     for v in graph.ids:
@@ -141,20 +162,22 @@ def rewritten_inplace(graph: Graph, plan: Plan) -> set[str]:
             continue
         s, st = stage_of[v], stage_of[t]
         if ((st != s and (recomputed[s] or recomputed[st]))
-                or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in graph.successors(t))
+                or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in succ[t])
                 or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
             rewritten.add(v)
     return rewritten
 
 
-def kept_boundary(graph: Graph, plan: Plan) -> list[set[str]]:
+def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> list[set[str]]:
     """Per stage, the vertices whose values a recomputed stage keeps from its forward and
     does not run again (empty for other stages): its boundary ``B(Li)`` and the model
     outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
-    rewrite (docs/design.md section 5)."""
+    rewrite (docs/design.md section 5). A value whose only reader in a later stage reads its
+    shape is not kept (:func:`data_edges`)."""
     stage_of = plan.stage_of()
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
-    rewritten = rewritten_inplace(graph, plan)
+    succ = succ if succ is not None else _adjacency(graph)[0]
+    rewritten = rewritten_inplace(graph, plan, succ)
     kept: list[set[str]] = []
     for k, stage in enumerate(plan.stages):
         if stage.action != "recompute":
@@ -162,7 +185,7 @@ def kept_boundary(graph: Graph, plan: Plan) -> list[set[str]]:
             continue
         kept.append({
             v for v in stage.nodes
-            if (v in outputs or any(stage_of[w] != k for w in graph.successors(v)))
+            if (v in outputs or any(stage_of[w] != k for w in succ[v]))
             and graph[v].op not in RANDOM_OPS
             and (v in rewritten or _inplace_operand(graph, v) is None)
         })
@@ -272,6 +295,9 @@ class VertexCosts:
     views: set[str] = field(default_factory=set)
     """Vertices whose output is a view of another vertex's storage: they allocate nothing
     under any plan (an in-place op may get a storage of its own, ``rewritten_inplace``)."""
+    storage: dict[str, int] = field(default_factory=dict)
+    """Bytes of the storage each vertex's output lives in: its base's for a view (a kept
+    slice holds the whole tensor it was cut from)."""
 
 
 def vertex_costs(graph: Graph) -> VertexCosts:
@@ -281,7 +307,8 @@ def vertex_costs(graph: Graph) -> VertexCosts:
         sim.run()
     gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
     views = {v for v in graph.ids if sim.base[v] != v and _inplace_operand(graph, v) is None}
-    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes), views)
+    storage = {v: max(sim.size[sim.base[v]], sim.size[v]) if v in views else sim.size[v] for v in graph.ids}
+    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes), views, storage)
 
 
 @dataclass
@@ -325,8 +352,7 @@ class SharedSteps:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.node = {v: graph[v] for v in graph.ids}
-        self.succ = {v: graph.successors(v) for v in graph.ids}
-        self.pred = {v: graph.predecessors(v) for v in graph.ids}
+        self.succ, self.pred = _adjacency(graph)
         self.vertices: dict[frozenset[str], dict[str, Any]] = {}
 
 
@@ -366,6 +392,7 @@ class _StepSimulation:
     def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False,
                  shared: SharedSteps | None = None) -> None:
         ids = graph.ids
+        shared = shared if shared is not None else SharedSteps(graph)
         if plan is None:
             self.stages: list[list[str]] = [ids]
             self.actions = ["keep"]
@@ -374,10 +401,9 @@ class _StepSimulation:
         else:
             self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
-            self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan)
-            self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan)
+            self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan, shared.succ)
+            self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan, shared.succ)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
-        shared = shared if shared is not None else SharedSteps(graph)
         self.node, self.succ, self.pred = shared.node, shared.succ, shared.pred
         prepared = shared.vertices.get(frozenset(self.own_storage))
         if prepared is None:
@@ -426,11 +452,20 @@ class _StepSimulation:
         """What the step needs to know of each vertex, from its costs and the graph's meta."""
         ids, meta = graph.ids, graph.meta
         self.param_bytes = {k: int(b) for k, b in (meta.param_bytes or {}).items()}
+        # Where each parameter's gradient is allocated: its last op's backward (tied weights).
+        self.param_grad_at = ({k: int(b) for k, b in meta.param_grad_bytes.items()}
+                              if meta.param_grad_bytes is not None else self.param_bytes)
         # Gradients kept between steps are resident: the backward adds into them in place.
         self.grads_resident = bool(meta.grads_resident)
         outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
         self.outputs = [o for o in outputs if o in graph]
         self.loss_bytes = int(meta.loss_peak_bytes or 0)
+        # The outputs' gradients: as measured with the loss (a sum's take nothing), shared
+        # out in proportion to the outputs' sizes; unmeasured, each as large as its output.
+        sizes = sum(self.node[o].mem for o in self.outputs)
+        share = (1.0 if meta.output_grad_bytes is None or not sizes
+                 else min(meta.output_grad_bytes / sizes, 1.0))
+        self.output_grad = {o: int(round(self.node[o].mem * share)) for o in self.outputs}
         # The profiler names aliases itself (views and in-place results); op names are the
         # fallback for graphs that lack them.
         guess_views = meta.aliases is None and meta.saved_refs is not None
@@ -594,7 +629,7 @@ class _StepSimulation:
         for o in self.outputs:
             if self.requires[o]:
                 self.grad_of[o] = ("grad", o)
-                self.mem.alloc(("grad", o), self.node[o].mem, 1)
+                self.mem.alloc(("grad", o), self.output_grad[o], 1)
 
     # ---- before a stage's backward ---------------------------------------------------------
     def _recompute_stage(self, k: int) -> None:
@@ -693,7 +728,7 @@ class _StepSimulation:
         peak_extra = 0
         if my_grad is not None:
             peak_extra = self._pass_gradient(v, my_grad)
-            pb = 0 if self.grads_resident else self.param_bytes.get(v, 0)
+            pb = 0 if self.grads_resident else self.param_grad_at.get(v, 0)
             if pb:
                 # The first step's parameter gradients: allocated here, kept.
                 mem.alloc(("param_grad", v), pb, 1)
