@@ -511,6 +511,7 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
             lines = section(tag_dir.name, records)
             if lines:
                 out += lines + [""]
+        out += analysis_section(tag_dir)
         for record in records:
             unit = "tokens" if record["model"] == "gpt" else "px"
             out += [f"### {tag_dir.name} {record['model']}", "",
@@ -525,6 +526,19 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
         if lines:
             out += lines + [""]
     return "\n".join(out).rstrip() + "\n"
+
+
+ANALYSIS = "analysis.md"
+"""Beside a tag's results: where the targets are missed and why, from measurements (written
+by hand, dated, and naming the commit its figures were measured at)."""
+
+
+def analysis_section(tag_dir: Path) -> list[str]:
+    path = tag_dir / ANALYSIS
+    if not path.is_file():
+        return []
+    return [f"### {tag_dir.name}: where the targets are missed, and why", "",
+            path.read_text().strip(), ""]
 
 
 def _cpu_steps(row: dict[str, Any], key: str) -> str:

@@ -133,6 +133,11 @@ def test_render_names_every_row_and_its_commit(tmp_path: Path) -> None:
     assert "| remat auto | 20 | 2.50x |" in text  # largest batch against plain's
     assert "| feng | min 40% 0.01s | 45% +30% 0.01s |" in text
     assert (tmp_path / "plots" / "cpu-quick.png").stat().st_size > 1000
+    assert "where the targets are missed" not in text
+    (results / "analysis.md").write_text("Measured on 2026-11-24: the executor's own time.\n")
+    text = render.render(tmp_path / "results", tmp_path / "plots", tmp_path / "RESULTS.md")
+    assert "### cpu-quick: where the targets are missed, and why" in text
+    assert "Measured on 2026-11-24: the executor's own time." in text
     assert "](plots/cpu-quick.png)" in text
 
 
