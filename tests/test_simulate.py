@@ -187,6 +187,25 @@ def test_one_stages_cost_alone_equals_the_whole_steps_fold(seed):
         whole = stage_costs(g, plan)
         for k in range(len(stages)):
             assert stage_cost(g, plan, k, shared) == whole[k]
+    # Stages that are not ranges of the order (ancestor sets, as the DP takes them), and
+    # several kept stages after the one costed, which it does not simulate.
+    ancestors = {v: {v} for v in ids}
+    for v in ids:
+        for u in g.predecessors(v):
+            ancestors[v] |= ancestors[u]
+    for _ in range(12):
+        a, b = sorted(rng.sample(ids, 2), key=g.position)
+        low, high = ancestors[a], ancestors[b] | ancestors[a]
+        rest = [v for v in ids if v not in high]
+        cut = rng.randint(0, len(rest))
+        stages = [(sorted(low, key=g.position), "recompute"),
+                  (sorted(high - low, key=g.position), rng.choice(["recompute", "keep"])),
+                  (rest[:cut], "keep"), (rest[cut:], "keep")]
+        stages = [s for s in stages if s[0]]
+        plan = make_plan(g, stages, "t")
+        whole = stage_costs(g, plan)
+        for k in range(len(stages)):
+            assert stage_cost(g, plan, k, shared) == whole[k], (k, [s.action for s in plan.stages])
 
 
 def test_a_reader_of_only_the_shape_keeps_nothing_alive():

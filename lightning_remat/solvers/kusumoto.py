@@ -34,7 +34,8 @@ module follows that statement exactly (paper equation numbers in brackets):
   ``m`` of any prefix that ends in L with extra time t; from ``(L, t, m)`` go to every lower
   set ``L' > L`` of the family with ``m + stage_memory(L, L') <= M``.
 - Exact DP: the family of all lower sets (section 4.2). Approximate DP: ``{}``, ``V`` and,
-  for each vertex v, v with all its ancestors, n + 2 sets (section 4.3).
+  for each vertex v, v with all its ancestors, n + 2 sets (section 4.3), less those of
+  views (``_approximate_sets``).
 - Time-centric (TC): least T among final states. Memory-centric (MC, section 4.4): largest
   feasible T, the coarse partition that gives liveness analysis the most room.
 - The smallest budget with any solution is found by binary search on M (section 5.1).
@@ -129,6 +130,7 @@ class _GraphBits:
     keepable_time: np.ndarray  # float64 t_fwd of vertices a recomputed stage can keep, else 0
     output: np.ndarray  # bool: the vertex leaves the forward
     gradients: np.ndarray  # int64 gradient and transient bytes at each op's backward peak
+    view: np.ndarray  # bool: the output is a view of another vertex's storage
 
     @property
     def n(self) -> int:
@@ -173,11 +175,12 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         keepable_time=np.array([0.0 if n.op in RANDOM_OPS else float(n.t_fwd) for n in graph.nodes]),
         output=np.array([v in outputs for v in ids], dtype=bool),
         gradients=np.array([costs.gradients[v] for v in ids], dtype=np.int64),
+        view=np.array([v in costs.views for v in ids], dtype=bool),
     )
 
 
 def _ancestor_sets(bits: _GraphBits) -> list[int]:
-    """For each vertex v, the bitset of v and all its ancestors (the approximate family)."""
+    """For each vertex v, the bitset of v and all its ancestors (section 4.3's family)."""
     anc: list[int] = []
     for i in range(bits.n):
         mask = 1 << i
@@ -188,6 +191,15 @@ def _ancestor_sets(bits: _GraphBits) -> list[int]:
             pred ^= low
         anc.append(mask)
     return anc
+
+
+def _approximate_sets(bits: _GraphBits) -> list[int]:
+    """The approximate family less the ancestor sets of views: a view allocates nothing and
+    runs in next to no time, so a stage that ends just after one keeps the storage a stage
+    ending at its base keeps, at the cost of the same recomputation. A transformer is half
+    views (reshapes, transposes, a split's parts): leaving them out cuts the family's pairs,
+    each simulated, by three quarters (docs/design.md section 4.4)."""
+    return [s for i, s in enumerate(_ancestor_sets(bits)) if not bits.view[i]]
 
 
 def _all_lower_sets(bits: _GraphBits, max_lower_sets: int) -> list[int]:
@@ -601,7 +613,7 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = _graph_bits(graph)
-    sets = _all_lower_sets(bits, max_lower_sets) if exact else _ancestor_sets(bits)
+    sets = _all_lower_sets(bits, max_lower_sets) if exact else _approximate_sets(bits)
     # The approximate family too takes the simulator's own stage costs where simulating
     # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
     pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
@@ -748,7 +760,7 @@ def _run(family: LowerSetFamily, budget: int | None, objective: str,
 def solve_approx_tc(graph: Graph, budget_bytes: int | None, *,
                     max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
                     time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
-    """Approximate DP (section 4.3, n + 2 lower sets), time-centric: least extra time among
+    """Approximate DP (section 4.3, at most n + 2 lower sets), time-centric: least extra time among
     strategies with peak <= budget. Budget None: one stage, nothing recomputed.
     ``max_lower_sets`` is accepted for a uniform signature and not used."""
     return _solve(graph, budget_bytes, exact=False, objective="tc",

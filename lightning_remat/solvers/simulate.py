@@ -67,6 +67,7 @@ keeps that model in one place.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,25 +142,36 @@ def _inplace_operand(graph: Graph, v: str) -> str | None:
     return max(same, key=graph.position) if same else None
 
 
-def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> set[str]:
+def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None,
+                      shared: SharedSteps | None = None) -> set[str]:
     """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
     that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
     vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
     and either is recomputed, when another recomputed stage reads ``t``, or when ``v`` is
     recomputed and its result (or ``t``, in its own stage) crosses the stage boundary."""
     stage_of = plan.stage_of()
-    recomputed = [st.action == "recompute" for st in plan.stages]
+    return _rewritten(graph, plan, stage_of, *_graph_parts(graph, succ, shared))
+
+
+def _graph_parts(graph: Graph, succ: dict[str, list[str]] | None,
+                 shared: SharedSteps | None) -> tuple[dict[str, list[str]], dict[str, str], set[str]]:
+    """Successors along data edges, each in-place op's operand, and the model outputs."""
+    if shared is not None:
+        return shared.succ, shared.inplace, shared.outputs
+    inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
-    succ = succ if succ is not None else _adjacency(graph)[0]
+    return succ if succ is not None else _adjacency(graph)[0], inplace, outputs
+
+
+def _rewritten(graph: Graph, plan: Plan, stage_of: dict[str, int], succ: dict[str, list[str]],
+               inplace: dict[str, str], outputs: set[str]) -> set[str]:
+    recomputed = [st.action == "recompute" for st in plan.stages]
 
     def crosses(x: str) -> bool:
         return x in outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
 
     rewritten: set[str] = set()
-    for v in graph.ids:
-        t = _inplace_operand(graph, v)
-        if t is None:
-            continue
+    for v, t in inplace.items():
         s, st = stage_of[v], stage_of[t]
         if ((st != s and (recomputed[s] or recomputed[st]))
                 or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in succ[t])
@@ -168,16 +180,20 @@ def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | Non
     return rewritten
 
 
-def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> list[set[str]]:
+def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None,
+                  shared: SharedSteps | None = None) -> list[set[str]]:
     """Per stage, the vertices whose values a recomputed stage keeps from its forward and
     does not run again (empty for other stages): its boundary ``B(Li)`` and the model
     outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
     rewrite (docs/design.md section 5). A value whose only reader in a later stage reads its
     shape is not kept (:func:`data_edges`)."""
     stage_of = plan.stage_of()
-    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
-    succ = succ if succ is not None else _adjacency(graph)[0]
-    rewritten = rewritten_inplace(graph, plan, succ)
+    parts = _graph_parts(graph, succ, shared)
+    return _kept(graph, plan, stage_of, _rewritten(graph, plan, stage_of, *parts), *parts)
+
+
+def _kept(graph: Graph, plan: Plan, stage_of: dict[str, int], rewritten: set[str],
+          succ: dict[str, list[str]], inplace: dict[str, str], outputs: set[str]) -> list[set[str]]:
     kept: list[set[str]] = []
     for k, stage in enumerate(plan.stages):
         if stage.action != "recompute":
@@ -187,7 +203,7 @@ def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = 
             v for v in stage.nodes
             if (v in outputs or any(stage_of[w] != k for w in succ[v]))
             and graph[v].op not in RANDOM_OPS
-            and (v in rewritten or _inplace_operand(graph, v) is None)
+            and (v in rewritten or v not in inplace)
         })
     return kept
 
@@ -344,25 +360,82 @@ def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
     return costs
 
 
+@dataclass
+class _Gradients:
+    """The gradient storages live when the backward of the stages after some stage has
+    finished (keyed as in ``_StepSimulation``), and which value each belongs to."""
+
+    storages: list[tuple[object, int, int]]
+    """(key, bytes, references) of each live gradient storage."""
+    grad_of: dict[str, object]
+    fresh: int
+
+
+_PREFIX_STATES = 4096  # forward states kept per graph (each about its kept boundary's size)
+
+
 class SharedSteps:
     """What every simulation of one graph shares (its adjacency and the per-vertex data,
-    the latter per set of in-place ops a plan rewrites), for callers that simulate many
-    plans of it (Kusumoto's DP with the simulator's stage costs)."""
+    the latter per set of in-place ops a plan rewrites; the gradients the backward of a
+    kept tail leaves), for callers that simulate many plans of it (Kusumoto's DP with the
+    simulator's stage costs)."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.node = {v: graph[v] for v in graph.ids}
         self.succ, self.pred = _adjacency(graph)
         self.vertices: dict[frozenset[str], dict[str, Any]] = {}
+        self.inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
+        self.outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+        self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
+        self.prefixes: dict[tuple, dict[str, Any]] = {}  # _StepSimulation.forward_state
+
+    def tail_gradients(self, tail: list[list[str]]) -> _Gradients:
+        """The gradients left when the kept stages ``tail`` (the step's last, in order) have
+        been back-propagated. They depend on nothing before the tail: the backward runs in
+        one order whatever the plan, and a gradient's size is its value's."""
+        key = tuple(tuple(stage) for stage in tail)
+        found = self.tails.get(key)
+        if found is None:
+            in_tail = {v for stage in tail for v in stage}
+            head = [v for v in self.graph.ids if v not in in_tail]
+            plan = Plan([Stage(head, "recompute"), *(Stage(list(s), "keep") for s in tail)],
+                        [], 0, 0.0, "", True)
+            sim = _StepSimulation(self.graph, plan, shared=self)
+            sim.run(stop_after=1)
+            mem = sim.mem
+            found = self.tails[key] = _Gradients(
+                [(k, mem.size[k], mem.refs[k]) for k in mem.refs if _is_gradient(k)],
+                dict(sim.grad_of), sim.fresh)
+        return found
 
 
 def stage_cost(graph: Graph, plan: Plan, k: int, shared: SharedSteps | None = None) -> StageCost:
-    """``stage_costs(graph, plan)[k]``, simulating only up to the end of stage k's backward
-    (what comes later cannot change its figures)."""
+    """``stage_costs(graph, plan)[k]``, simulating only what can change its figures: up to
+    the end of stage k's backward, and where every later stage is kept, not those stages
+    either (they leave stage k's backward only their gradients,
+    :meth:`SharedSteps.tail_gradients`; what they held of earlier values is gone by then)."""
+    shared = shared if shared is not None else SharedSteps(graph)
     sim = _StepSimulation(graph, plan, shared=shared)
     peak = 0
     if graph.ids:
-        for event in sim.run(stop_after=k).events:
+        if k > 0:
+            # The forward of the stages before k is the same for every plan that begins
+            # with them and rewrites the same in-place ops (the DP's sources).
+            key = (tuple((tuple(s), a) for s, a in zip(sim.stages[:k], sim.actions)),
+                   frozenset(sim.own_storage))
+            state = shared.prefixes.get(key)
+            if state is None:
+                for j in range(k):
+                    sim._forward_stage(j)
+                if len(shared.prefixes) >= _PREFIX_STATES:
+                    shared.prefixes.clear()
+                state = shared.prefixes[key] = sim.forward_state()
+            sim.resume_forward(state)
+            sim.timeline = Timeline()
+        tail = plan.stages[k + 1:]
+        skip = bool(tail) and all(s.action == "keep" for s in tail)
+        for event in sim.run(stop_after=k, skip_tail=skip).events:
             if event.stage == k:
                 peak = max(peak, event.peak_bytes)
     return StageCost(peak - sum(sim.kept_bytes[:k]), sim.kept_bytes[k])
@@ -401,9 +474,15 @@ class _StepSimulation:
         else:
             self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
-            self.kept = [set() for _ in plan.stages] if whole_stages else kept_boundary(graph, plan, shared.succ)
-            self.own_storage = set() if whole_stages else rewritten_inplace(graph, plan, shared.succ)
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
+        if plan is not None:
+            if whole_stages:
+                self.kept, self.own_storage = [set() for _ in plan.stages], set()
+            else:
+                parts = (shared.succ, shared.inplace, shared.outputs)
+                self.own_storage = _rewritten(graph, plan, self.stage_of, *parts)
+                self.kept = _kept(graph, plan, self.stage_of, self.own_storage, *parts)
+        self.shared = shared
         self.node, self.succ, self.pred = shared.node, shared.succ, shared.pred
         prepared = shared.vertices.get(frozenset(self.own_storage))
         if prepared is None:
@@ -418,7 +497,7 @@ class _StepSimulation:
         self.timeline = Timeline()
         # The storages v's saved state holds; the inputs a recomputed stage keeps; the
         # vertices of an offloaded stage whose saved state left the device.
-        self.held: dict[str, list[object]] = {v: [] for v in ids}
+        self.held: defaultdict[str, list[object]] = defaultdict(list)
         self.closure: list[list[object]] = [[] for _ in self.stages]
         # A recomputed stage's kept boundary values: the storage each holds, until its
         # recomputation hands them on.
@@ -431,13 +510,50 @@ class _StepSimulation:
         self.offloaded: list[list[str]] = [[] for _ in self.stages]
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
+        self.forward_done = 0  # stages whose forward has run (resume_forward)
 
-    def run(self, stop_after: int | None = None) -> Timeline:
-        """The step's events; ``stop_after``: stop when that stage's backward ends."""
-        for k in range(len(self.stages)):
+    _FORWARD_STATE = ("held", "closure", "kept_held", "kept_bytes", "_kept_storages", "offloaded")
+
+    def forward_state(self) -> dict[str, Any]:
+        """A copy of what the forward of the stages run so far left (no events): the same
+        for every plan that begins with those stages and rewrites the same in-place ops."""
+        mem = self.mem
+        return {"refs": dict(mem.refs), "size": dict(mem.size), "live": mem.live,
+                "grad_live": mem.grad_live, "forward_done": self.forward_done,
+                "held": {v: list(keys) for v, keys in self.held.items()},
+                "closure": [list(c) for c in self.closure[:self.forward_done]],
+                "kept_held": dict(self.kept_held),
+                "kept_bytes": self.kept_bytes[:self.forward_done],
+                "_kept_storages": set(self._kept_storages),
+                "offloaded": [list(o) for o in self.offloaded[:self.forward_done]]}
+
+    def resume_forward(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`forward_state` of a plan with the same first stages."""
+        mem = self.mem
+        mem.refs, mem.size = dict(state["refs"]), dict(state["size"])
+        mem.live, mem.grad_live = state["live"], state["grad_live"]
+        done = self.forward_done = state["forward_done"]
+        self.held = defaultdict(list, {v: list(keys) for v, keys in state["held"].items()})
+        self.closure[:done] = [list(c) for c in state["closure"]]
+        self.kept_held = dict(state["kept_held"])
+        self.kept_bytes[:done] = state["kept_bytes"]
+        self._kept_storages = set(state["_kept_storages"])
+        self.offloaded[:done] = [list(o) for o in state["offloaded"]]
+
+    def run(self, stop_after: int | None = None, skip_tail: bool = False) -> Timeline:
+        """The step's events; ``stop_after``: stop when that stage's backward ends;
+        ``skip_tail``: the stages after it (all kept) are not simulated, only their effect
+        on it (:meth:`_skip_tail`)."""
+        last = len(self.stages) - 1
+        if skip_tail and stop_after is not None and stop_after < last:
+            last = stop_after
+        for k in range(self.forward_done, last + 1):
             self._forward_stage(k)
-        self._loss()
-        for k in range(len(self.stages) - 1, -1, -1):
+        if last < len(self.stages) - 1:
+            self._skip_tail(last)
+        else:
+            self._loss()
+        for k in range(last, -1, -1):
             if self.actions[k] == "recompute":
                 self._recompute_stage(k)
             elif self.actions[k] == "offload":
@@ -567,6 +683,7 @@ class _StepSimulation:
 
     # ---- forward and loss ------------------------------------------------------------------
     def _forward_stage(self, k: int) -> None:
+        self.forward_done = k + 1
         in_closure: set[object] = set()
         for v in self.stages[k]:
             self._forward_op(k, v, in_closure)
@@ -630,6 +747,31 @@ class _StepSimulation:
             if self.requires[o]:
                 self.grad_of[o] = ("grad", o)
                 self.mem.alloc(("grad", o), self.output_grad[o], 1)
+
+    def _skip_tail(self, k: int) -> None:
+        """The state when stage k's backward starts, where the stages after k are kept: the
+        references their forward and the loss would have dropped on earlier storages are
+        dropped (what they saved, their backward gave back), and the gradients their
+        backward leaves (:meth:`SharedSteps.tail_gradients`) are live."""
+        mem, base, stage_of, pred = self.mem, self.base, self.stage_of, self.pred
+        tail = self.stages[k + 1:]
+        for stage in tail:
+            for v in stage:
+                bv = base[v]
+                for u in pred[v]:
+                    bu = base[u]
+                    if bu != bv and stage_of[bu] <= k:
+                        mem.release(("val", bu))
+                if bv != v and stage_of[bv] <= k:
+                    mem.release(("val", bv))
+        for o in self.outputs:
+            if stage_of[base[o]] <= k:
+                mem.release(("val", base[o]))
+        gradients = self.shared.tail_gradients(tail)
+        for key, nbytes, refs in gradients.storages:
+            mem.alloc(key, nbytes, refs)
+        self.grad_of = dict(gradients.grad_of)
+        self.fresh = gradients.fresh
 
     # ---- before a stage's backward ---------------------------------------------------------
     def _recompute_stage(self, k: int) -> None:
