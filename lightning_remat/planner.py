@@ -381,6 +381,9 @@ class Planner:
     told each planning phase as it starts, and a summary when a plan is made.
     ``loss_fn(outputs) -> scalar``: the loss the training step takes of the outputs, whose
     memory the profile measures (``meta.loss_peak_bytes``; default: the sum of the outputs).
+    ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
+    :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
+    shape family's, which fx code being shape-generic serves every batch size).
     """
 
     def __init__(
@@ -396,9 +399,11 @@ class Planner:
         profiler: Profiler | None = None,
         progress: Callable[[str], None] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.module = module
         self.profiler = profiler
+        self.tracer = tracer
         self.loss_fn = loss_fn
         self.progress = progress
         self.settings = settings or PlanSettings()
@@ -576,7 +581,7 @@ class Planner:
         if self.progress is not None:
             self.progress("trace: the forward's graph")
         with preserved_state(module, [device]):
-            traced = trace_module(module, args, kwargs)
+            traced = (self.tracer or trace_module)(module, args, kwargs)
         basis = PlanBasis(
             graph_hash=traced.graph.graph_hash(),
             input_key=repr(tuple(leaf for leaf in key if not _is_precision(leaf))),
@@ -704,6 +709,7 @@ def _raise_shared_error(payload: tuple, owner: int) -> None:
 
 
 Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
+Tracer = Callable[[nn.Module, tuple, dict], Traced]
 """Gives the graph of one call: ``(module, args, kwargs, traced) -> Graph``."""
 
 

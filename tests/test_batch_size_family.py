@@ -85,18 +85,21 @@ def test_the_prediction_by_smallest_budget_finds_the_crossing_in_few_solves(
 
 @pytest.mark.slow
 def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch):
-    """Two profiles (the shape family) for the whole search; each trial derives its graph.
-    Training at the size found takes the trial's plan from the plan cache: no profile."""
-    profiled = []
+    """Two profiles (the shape family) for the whole search; each trial derives its graph
+    and takes the family's trace. Training at the size found takes the trial's plan from
+    the plan cache: no profile."""
+    profiled, traced = [], []
 
-    def counting(original, where):
+    def counting(original, where, calls):
         def profile(*args, **kwargs):
-            profiled.append((where, args[1][0].shape[0] if isinstance(args[1], tuple) else None))
+            calls.append((where, args[1][0].shape[0] if isinstance(args[1], tuple) else None))
             return original(*args, **kwargs)
         return profile
 
-    monkeypatch.setattr(batch_size_mod, "profile_module", counting(batch_size_mod.profile_module, "search"))
-    monkeypatch.setattr(planner_mod, "profile_module", counting(planner_mod.profile_module, "planner"))
+    monkeypatch.setattr(batch_size_mod, "profile_module", counting(batch_size_mod.profile_module, "search", profiled))
+    monkeypatch.setattr(planner_mod, "profile_module", counting(planner_mod.profile_module, "planner", profiled))
+    monkeypatch.setattr(batch_size_mod, "trace_module", counting(batch_size_mod.trace_module, "search", traced))
+    monkeypatch.setattr(planner_mod, "trace_module", counting(planner_mod.trace_module, "planner", traced))
     budget = 16 * 2**20
     torch.manual_seed(0)
     model = SizedConvNet(batch_size=4, channels=16, image=32, samples=256)
@@ -117,6 +120,8 @@ def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch
     assert best is not None and model.batch_size == best
     # The family: profiled at init_val and half of it, by the search; never by a trial.
     assert sorted(profiled) == [("search", 2), ("search", 4)], profiled
+    # Traced by the search at those sizes, by the strategy at the size found, by no trial.
+    assert sorted(traced) == [("planner", finder.optimal_batch_size), ("search", 2), ("search", 4)], traced
     trials = {r.batch_size: r for r in finder.report.remat.trials}
     assert trials[best].feasible and trials[best].peak_bytes <= budget
     assert best + 1 in trials and not trials[best + 1].feasible  # exact, measured both sides

@@ -52,6 +52,7 @@ from pytorch_lightning.utilities.parsing import (
 )
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_remat.budget import parse_budget
 from lightning_remat.cache import PlanCache, default_cache_dir
@@ -226,6 +227,9 @@ class LightningTrial:
         self.device = strategy.root_device
         self.family: list[Graph] = []
         """Profiles of the target at one or two batch sizes (:meth:`profile_family`)."""
+        self.family_traced: Traced | None = None
+        """The family's trace, and its call's inputs but for the batch (:func:`_batchless`)."""
+        self._family_inputs: object = None
         self._size = 0
         self._loss: Callable[[Any], torch.Tensor] | None = None
 
@@ -294,13 +298,24 @@ class LightningTrial:
                 # first dimension of the target's input is.
                 graph.meta.batch_size = size
                 family.append(graph)
+                self.family_traced, self._family_inputs = traced, _batchless(args, kwargs)
                 del args, kwargs, batch
         try:
             check_family(family)
         except ValueError:
             family = []  # the traced graph changes with the batch size: every trial profiles
+            self.family_traced = None
         self.family = family
         return family
+
+    def _trace_for_trial(self, module: nn.Module, args: tuple, kwargs: dict) -> Traced:
+        """The planner's tracer in a trial: the family's trace when the call's inputs are the
+        family's but for the batch. Its output was checked against the module's at two
+        sizes with the same graph, and fx code is shape-generic, so checking it again at
+        each trial's size (two forwards at that size) would only cost time."""
+        if self.family_traced is not None and _batchless(args, kwargs) == self._family_inputs:
+            return self.family_traced
+        return trace_module(module, args, kwargs)
 
     def derived(self, batch_size: int) -> Graph:
         """The graph at ``batch_size`` derived from the shape family."""
@@ -373,6 +388,7 @@ class LightningTrial:
                     ranks=DistributedRanks() if world_size() > 1 else None,  # rank zero plans
                     profiler=self._graph_for_trial if self.family else None,
                     loss_fn=self._loss,
+                    tracer=self._trace_for_trial if self.family else None,
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 forward = planner
@@ -413,6 +429,14 @@ class LightningTrial:
             predicted_peak_bytes=planned.plan.predicted_peak_bytes if planned else None,
             solver=planned.plan.solver if planned else PLAIN,
         )
+
+
+def _batchless(args: tuple, kwargs: dict) -> object:
+    """A call's inputs as a trace depends on them: their structure, each tensor's dtype,
+    device and shape but for the first (batch) dimension, each other leaf's value."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return str(spec), [(t.dtype, t.device, tuple(t.shape[1:])) if isinstance(t, torch.Tensor) else repr(t)
+                       for t in leaves]
 
 
 class RematBatchSizeFinder(Callback):
