@@ -261,14 +261,14 @@ class _Storages:
         self.size[key] = nbytes
         self.refs[key] = refs
         self.live += nbytes
-        if _is_gradient(key):
+        if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live += nbytes
 
     def _free(self, key: object) -> None:
         del self.refs[key]
         nbytes = self.size.pop(key)
         self.live -= nbytes
-        if _is_gradient(key):
+        if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live -= nbytes
 
     def is_live(self, key: object) -> bool:
@@ -290,8 +290,11 @@ class _Storages:
             self._free(key)
 
 
+_GRADIENT_KINDS = frozenset({"grad", "param_grad"})  # every storage key is (kind, name)
+
+
 def _is_gradient(key: object) -> bool:
-    return isinstance(key, tuple) and key[0] in ("grad", "param_grad")
+    return isinstance(key, tuple) and key[0] in _GRADIENT_KINDS
 
 
 @dataclass
