@@ -396,19 +396,22 @@ def test_the_upper_bound_holds_on_a_profiled_gpt_whose_views_share_storage():
             assert plan.predicted_peak_bytes <= budget, (objective, budget)
 
 
-def test_leaving_out_the_views_sets_loses_nothing_on_a_profiled_gpt():
+@pytest.mark.parametrize("profile", ["gpt_cpu_b8.json", "unet_cpu_b8.json"])
+def test_the_sets_left_out_of_the_approximate_family_lose_nothing(profile):
     """The approximate family leaves out the ancestor sets of views (about half the GPT's
-    vertices): with the simulator's stage costs, the smallest budget and the time-centric
-    plans' extra time at several budgets are those of the whole n + 2 family, within the
-    DP's time resolution (times are bucketed by T / time_steps, one bucket per stage)."""
+    vertices) and of values an in-place op overwrites (the U-Net's BatchNorms before their
+    in-place ReLUs). On the benchmarks' GPT and U-Net, profiled on a CPU at batch 8
+    (tests/data), with the simulator's stage costs: the smallest budget is that of the
+    whole n + 2 family, and no time-centric plan is slower, within the DP's time
+    resolution (times are bucketed by T / time_steps, one bucket per stage)."""
     from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import kusumoto
 
-    graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
+    graph = Graph.load(Path(__file__).parent / "data" / profile)
     bits = kusumoto._graph_bits(graph)
     whole = kusumoto.LowerSetFamily(bits, kusumoto._ancestor_sets(bits), simulated=True)
     pruned = kusumoto.LowerSetFamily(bits, kusumoto._approximate_sets(bits), simulated=True)
-    assert pruned.size < 0.6 * whole.size
+    assert pruned.size < 0.8 * whole.size
     assert pruned.min_budget() == whole.min_budget()
     plain = plain_peak_bytes(graph)
     for fraction in (0.4, 0.6, 0.9):
@@ -419,4 +422,4 @@ def test_leaving_out_the_views_sets_loses_nothing_on_a_profiled_gpt():
             times.append(family.evaluate(found)[1])
             stages.append(len(found) - 1)
         resolution = max(stages) * max(times) / kusumoto.DEFAULT_TIME_STEPS
-        assert abs(times[1] - times[0]) <= resolution, fraction
+        assert times[1] <= times[0] + resolution, fraction

@@ -35,7 +35,7 @@ module follows that statement exactly (paper equation numbers in brackets):
   set ``L' > L`` of the family with ``m + stage_memory(L, L') <= M``.
 - Exact DP: the family of all lower sets (section 4.2). Approximate DP: ``{}``, ``V`` and,
   for each vertex v, v with all its ancestors, n + 2 sets (section 4.3), less those of
-  views (``_approximate_sets``).
+  views and of values an in-place op overwrites (``_approximate_sets``).
 - Time-centric (TC): least T among final states. Memory-centric (MC, section 4.4): largest
   feasible T, the coarse partition that gives liveness analysis the most room.
 - The smallest budget with any solution is found by binary search on M (section 5.1).
@@ -131,6 +131,7 @@ class _GraphBits:
     output: np.ndarray  # bool: the vertex leaves the forward
     gradients: np.ndarray  # int64 gradient and transient bytes at each op's backward peak
     view: np.ndarray  # bool: the output is a view of another vertex's storage
+    overwritten: np.ndarray  # bool: the only reader of the output is an in-place op on it
 
     @property
     def n(self) -> int:
@@ -154,6 +155,8 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         dst.append(index[v])
     times = [float(node.t_fwd) for node in graph.nodes]
     costs = vertex_costs(graph)
+    shared = SharedSteps(graph)
+    readers, inplace = shared.succ, shared.inplace
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
     # What a kept value holds: its storage (a view's base's).
     size = np.array([costs.storage[v] for v in ids], dtype=np.int64)
@@ -176,6 +179,8 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         output=np.array([v in outputs for v in ids], dtype=bool),
         gradients=np.array([costs.gradients[v] for v in ids], dtype=np.int64),
         view=np.array([v in costs.views for v in ids], dtype=bool),
+        overwritten=np.array([v not in outputs and len(readers[v]) == 1 and inplace.get(readers[v][0]) == v
+                              for v in ids], dtype=bool),
     )
 
 
@@ -194,12 +199,18 @@ def _ancestor_sets(bits: _GraphBits) -> list[int]:
 
 
 def _approximate_sets(bits: _GraphBits) -> list[int]:
-    """The approximate family less the ancestor sets of views: a view allocates nothing and
-    runs in next to no time, so a stage that ends just after one keeps the storage a stage
-    ending at its base keeps, at the cost of the same recomputation. A transformer is half
-    views (reshapes, transposes, a split's parts): leaving them out cuts the family's pairs,
-    each simulated, by three quarters (docs/design.md section 4.4)."""
-    return [s for i, s in enumerate(_ancestor_sets(bits)) if not bits.view[i]]
+    """The approximate family less two kinds of ancestor sets that other members dominate
+    (docs/design.md section 4.4), which cuts the pairs the DP simulates:
+
+    - a view's: it allocates nothing and runs in next to no time, so a stage that ends just
+      after one keeps the storage a stage ending at its base keeps, for the same
+      recomputation (a transformer is about half views: reshapes, transposes, a split's
+      parts);
+    - that of a vertex whose only reader overwrites it in place (a BatchNorm before an
+      in-place ReLU): a stage ending there keeps its storage and makes the reader, now in
+      the next stage, run out of place in a storage of its own (``simulate.
+      rewritten_inplace``), where ending after the reader keeps the one storage."""
+    return [s for i, s in enumerate(_ancestor_sets(bits)) if not (bits.view[i] or bits.overwritten[i])]
 
 
 def _all_lower_sets(bits: _GraphBits, max_lower_sets: int) -> list[int]:

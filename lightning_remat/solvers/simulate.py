@@ -386,6 +386,7 @@ class SharedSteps:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.node = {v: graph[v] for v in graph.ids}
+        self.position = {v: k for k, v in enumerate(graph.ids)}
         self.succ, self.pred = _adjacency(graph)
         self.vertices: dict[frozenset[str], dict[str, Any]] = {}
         self.inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
@@ -475,7 +476,8 @@ class _StepSimulation:
             self.kept: list[set[str]] = [set()]
             self.own_storage: set[str] = set()
         else:
-            self.stages = [sorted(s.nodes, key=graph.position) for s in plan.stages]
+            position = shared.position.__getitem__
+            self.stages = [sorted(s.nodes, key=position) for s in plan.stages]
             self.actions = [s.action for s in plan.stages]
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
         if plan is not None:
