@@ -220,7 +220,7 @@ def recomputed_vertices(graph: Graph, plan: Plan) -> list[list[str]]:
     ]
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     phase: str
     """``forward``, ``recompute``, ``restore`` (an offloaded stage's saved state back on
