@@ -198,7 +198,7 @@ def _ancestor_sets(bits: _GraphBits) -> list[int]:
     return anc
 
 
-def _approximate_sets(bits: _GraphBits) -> list[int]:
+def _approximate_sets(bits: _GraphBits, simulated: bool = True) -> list[int]:
     """The approximate family less two kinds of ancestor sets that other members dominate
     (docs/design.md section 4.4), which cuts the pairs the DP simulates:
 
@@ -209,8 +209,11 @@ def _approximate_sets(bits: _GraphBits) -> list[int]:
     - that of a vertex whose only reader overwrites it in place (a BatchNorm before an
       in-place ReLU): a stage ending there keeps its storage and makes the reader, now in
       the next stage, run out of place in a storage of its own (``simulate.
-      rewritten_inplace``), where ending after the reader keeps the one storage."""
-    return [s for i, s in enumerate(_ancestor_sets(bits)) if not (bits.view[i] or bits.overwritten[i])]
+      rewritten_inplace``), where ending after the reader keeps the one storage. That holds
+      for the simulator's stage costs (``simulated``), not for the upper bound, which
+      counts an in-place op's storage at each of its vertices."""
+    return [s for i, s in enumerate(_ancestor_sets(bits))
+            if not (bits.view[i] or (simulated and bits.overwritten[i]))]
 
 
 def _all_lower_sets(bits: _GraphBits, max_lower_sets: int) -> list[int]:
@@ -624,12 +627,14 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = _graph_bits(graph)
-    sets = _all_lower_sets(bits, max_lower_sets) if exact else _approximate_sets(bits)
+    sets = _all_lower_sets(bits, max_lower_sets) if exact else _approximate_sets(bits, simulated)
     # The approximate family too takes the simulator's own stage costs where simulating
     # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
     pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
-    family = LowerSetFamily(
-        bits, sets, simulated=exact or simulated or pairs * max(bits.n, 1) <= _SIMULATED_WORK)
+    simulated = exact or simulated or pairs * max(bits.n, 1) <= _SIMULATED_WORK
+    if simulated and not exact:
+        sets = _approximate_sets(bits, True)
+    family = LowerSetFamily(bits, sets, simulated=simulated)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
