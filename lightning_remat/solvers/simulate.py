@@ -702,9 +702,12 @@ class _StepSimulation:
 
     def _forward_op(self, k: int, v: str, in_closure: set[object]) -> None:
         mem, base = self.mem, self.base
-        if base[v] == v:
-            mem.alloc(self._val(v), self.size[v], self.fwd_refs[v])
+        bv = base[v]
+        own = ("val", bv)
+        if bv == v:
+            mem.alloc(own, self.size[v], self.fwd_refs[v])
         transient = self.node[v].ws_fwd
+        preds = self.pred[v]
         if self.actions[k] == "recompute":
             # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
             # only while the op runs, and it holds no forward values. A kept boundary op's
@@ -712,28 +715,29 @@ class _StepSimulation:
             # held until the recomputation.
             if v in self.kept[k]:
                 self._save_extra(v)
-                self.kept_held[v] = self._val(v)
-                mem.hold(self._val(v))
+                self.kept_held[v] = own
+                mem.hold(own)
                 self.kept_bytes[k] += self.extra[v]
-                if self._val(v) not in self._kept_storages:
-                    self._kept_storages.add(self._val(v))
-                    self.kept_bytes[k] += mem.size[self._val(v)]
+                if own not in self._kept_storages:
+                    self._kept_storages.add(own)
+                    self.kept_bytes[k] += mem.size[own]
             else:
                 transient += self.extra[v]
-            for u in self.pred[v]:
-                key = self._val(u)
-                if self.stage_of[u] != k and key not in in_closure:
+            stage_of = self.stage_of
+            for u in preds:
+                key = ("val", base[u])
+                if stage_of[u] != k and key not in in_closure:
                     in_closure.add(key)
                     mem.hold(key)
                     self.closure[k].append(key)
         else:
-            self._save_for_backward(v, [self._val(r) for r in self.saved_refs[v]])
+            self._save_for_backward(v, [("val", base[r]) for r in self.saved_refs[v]])
         peak = mem.live + transient
-        own = self._val(v)
-        for u in self.pred[v]:
-            if base[u] != base[v]:
-                mem.release(self._val(u))
-        if base[v] != v:
+        for u in preds:
+            bu = base[u]
+            if bu != bv:
+                mem.release(("val", bu))
+        if bv != v:
             mem.release(own)
         mem.settle(own)
         self.timeline.events.append(Event("forward", v, mem.live, peak, k))
@@ -801,17 +805,20 @@ class _StepSimulation:
         if v in self.kept[k]:
             self._hand_on_kept(k, v, rkey, re_refs)
             return
-        if base[v] == v:
-            mem.alloc(rkey[v], self.size[v], re_refs[v])
+        bv = base[v]
+        mine = rkey[v]
+        if bv == v:
+            mem.alloc(mine, self.size[v], re_refs[v])
         self._save_for_backward(
-            v, [rkey[r] if stage_of[r] == k else self._val(r) for r in self.saved_refs[v]])
+            v, [rkey[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
-            if stage_of[base[u]] == k and base[u] != base[v]:
+            bu = base[u]
+            if bu != bv and stage_of[bu] == k:
                 mem.release(rkey[u])
-        if base[v] != v and stage_of[base[v]] == k:
-            mem.release(rkey[v])
-        mem.settle(rkey[v])
+        if bv != v and stage_of[bv] == k:
+            mem.release(mine)
+        mem.settle(mine)
         self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
 
     def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
@@ -883,9 +890,10 @@ class _StepSimulation:
         self.gradient_peak[v] = mem.grad_live + peak_extra + transient
         if my_grad is not None:
             mem.release(my_grad)
-        for key in self.held[v]:
-            mem.release(key)
-        self.held[v] = []
+        held = self.held.pop(v, None)
+        if held:
+            for key in held:
+                mem.release(key)
         self.timeline.events.append(Event("backward", v, mem.live, peak, k))
 
     def _pass_gradient(self, v: str, my_grad: object) -> int:
