@@ -310,6 +310,51 @@ def predict_largest_by_min_budget(min_budget_at: Callable[[int], int], budget: i
     return max(fitting) if fitting else None
 
 
+def predict_largest_by_projection(least_at: Callable[[int], tuple[int, Callable[[int], int]]],
+                                  budget: int, init_val: int, max_val: int, granularity: int = 1,
+                                  max_evaluations: int = 10) -> int | None:
+    """The largest size whose smallest feasible budget is within ``budget``, where each
+    evaluation also projects its plan: ``least_at(size)`` gives the smallest budget at
+    ``size`` and ``peak(other)``, the peak (with its margin) of the plan that has it, run
+    at another size. That plan still fits wherever its projected peak is within
+    ``budget``, so the largest such size fits (found by bisection on the cheap
+    projection), and the size ``granularity`` past it is evaluated next: where it does not
+    fit, the answer is known; where it does, its own plan goes on from there. A plan made
+    for a smaller batch is close to the best one for a larger (the same stages keep the
+    same values), so this takes two or three evaluations. When ``init_val`` does not fit,
+    :func:`predict_largest_by_min_budget` looks below it. None when nothing fits."""
+    check_search_args(init_val, max_val, granularity)
+    least, peak = least_at(init_val)
+    if least > budget:
+        def smallest(size: int) -> int:
+            return least if size == init_val else least_at(size)[0]
+
+        return predict_largest_by_min_budget(smallest, budget, init_val, max_val, granularity,
+                                             max_evaluations - 1)
+    fit, evaluations = init_val, 1
+    while evaluations < max_evaluations:
+        # The plan fits at ``fit`` (its own size, or projected there): bisect above it.
+        lo, hi = fit, max_val + 1
+        if peak(max_val) <= budget:
+            lo = max_val
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if peak(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid
+        fit = lo
+        after = fit + granularity
+        if after > max_val:
+            break
+        least, peak = least_at(after)
+        evaluations += 1
+        if least > budget:
+            break
+        fit = after
+    return fit
+
+
 def _secant_guess(known: dict[int, int], budget: int, lo: int, hi: int, max_val: int) -> int:
     """Where the line through the two known sizes nearest the crossing meets ``budget``
     (twice or half the one size known), strictly inside the bracket ``(lo, hi)``."""

@@ -17,6 +17,7 @@ from lightning_remat.tuning import (
     next_batch_size,
     predict_largest,
     predict_largest_by_min_budget,
+    predict_largest_by_projection,
     run_search,
 )
 from tests.test_batch_size import SizedConvNet, brute_force, threshold_trial
@@ -81,6 +82,44 @@ def test_the_prediction_by_smallest_budget_finds_the_crossing_in_few_solves(
     else:
         assert found is None or smallest(found) <= budget
         assert (found or 0) <= (truth or 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fixed=st.integers(0, 2000), per_sample=st.integers(1, 60), curve=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
+       drift=st.sampled_from([0.0, 0.01, 0.03, 0.2]), budget=st.integers(0, 8000),
+       init_val=st.integers(1, 40), span=st.integers(0, 400), granularity=st.sampled_from([1, 1, 3]))
+def test_the_prediction_by_projected_plans_finds_the_crossing(
+        fixed, per_sample, curve, drift, budget, init_val, span, granularity):
+    """Each evaluation's plan, projected to larger sizes, is at least the smallest budget
+    there and grows ``drift`` faster (a plan made for a smaller batch is near the best for
+    a larger). The answer is exact whenever the evaluations do not run out: two of them
+    when the projection is exact, at most four when it drifts by 3%; never a size that
+    does not fit; each size evaluated once."""
+    max_val = init_val + span
+
+    def smallest(size: int) -> int:
+        return int(fixed + per_sample * size + curve * size ** 1.5)
+
+    calls: list[int] = []
+
+    def least_at(size: int):
+        calls.append(size)
+        return smallest(size), lambda other: smallest(other) + int(drift * per_sample * max(other - size, 0))
+
+    found = predict_largest_by_projection(least_at, budget, init_val, max_val, granularity)
+    fits = [b for b in range(1, max_val + 1) if smallest(b) <= budget]
+    assert len(calls) == len(set(calls)) <= 10
+    assert found is None or smallest(found) <= budget
+    if not fits:
+        assert found is None
+        return
+    truth = max(fits)
+    if smallest(init_val) <= budget:  # projections upward: closed within granularity
+        assert truth - granularity < found <= truth or len(calls) == 10
+        if drift == 0.0:
+            assert len(calls) <= 2
+        elif drift <= 0.03 and granularity == 1:
+            assert len(calls) <= 4, calls
 
 
 @pytest.mark.slow

@@ -79,7 +79,8 @@ from lightning_remat.planner import (
 )
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.runtime.module import measure_recompute_overhead
-from lightning_remat.solvers import SOLVERS, min_budget, simulate
+from lightning_remat.solvers import SOLVERS, min_budget, simulate, solve
+from lightning_remat.solvers.simulate import model_margin
 from lightning_remat.tuning import (
     SearchResult,
     TrialFn,
@@ -87,7 +88,7 @@ from lightning_remat.tuning import (
     check_search_args,
     default_storage,
     predict_largest,
-    predict_largest_by_min_budget,
+    predict_largest_by_projection,
     run_search,
     run_search_across_ranks,
     study_name_for,
@@ -579,7 +580,7 @@ class RematBatchSizeFinder(Callback):
         """The largest size predicted to fit, from the graphs the shape family gives each
         size (None without a family): plain training by the plain peak fitted to the
         profiles, a solver by where its smallest budget on the derived graphs crosses the
-        budget (:func:`~lightning_remat.tuning.predict_largest_by_min_budget`)."""
+        budget (:func:`~lightning_remat.tuning.predict_largest_by_projection`)."""
         if not isinstance(trial, LightningTrial) or not trial.family:
             return None
         budget = settings.budget_bytes
@@ -591,11 +592,21 @@ class RematBatchSizeFinder(Callback):
                 return (graph.meta.plain_peak_bytes or simulate(graph).peak_bytes) <= budget
 
             return predict_largest(plain_fits, init_val, self.max_val, self.granularity)
-        # A solver's smallest budget grows about linearly with the batch: a few sizes' give
-        # the crossing, where a search on fits-or-not solves at every size it doubles to.
-        return predict_largest_by_min_budget(
-            lambda size: min_budget(trial.derived(size), solver, **options), budget, init_val,
-            self.max_val, self.granularity)
+        # A solver's smallest budget, and the plan that has it run at larger sizes, give the
+        # crossing in two or three solves, where a search on fits-or-not solves at every
+        # size it doubles to.
+        def least_at(size: int) -> tuple[int, Callable[[int], int]]:
+            graph = trial.derived(size)
+            least = min_budget(graph, solver, **options)
+            plan = solve(graph, least, solver, **options)
+
+            def peak(other: int) -> int:
+                derived = trial.derived(other)
+                return simulate(derived, plan).peak_bytes + model_margin(derived)
+
+            return least, peak
+
+        return predict_largest_by_projection(least_at, budget, init_val, self.max_val, self.granularity)
 
     def family_sizes(self) -> list[int]:
         """The batch sizes the shape family is profiled at: ``init_val`` and half of it (2
