@@ -572,8 +572,10 @@ def planning_section(folder: Path = PLANNING) -> list[str]:
                 def cell(key: str, row: dict[str, Any] = row, step: float = step) -> str:
                     return f"{row[key]:.2f} s ({row[key] / step:.1f}{_cpu_steps(row, key)})"
 
+                at = (f" at {row['budget_fraction']:.2f} of plain (auto's smallest budget; 75% is below it)"
+                      if "budget_fraction" in row else "")
                 out.append(f"| {row['model']} | {row['batch']} | {step:.3f} s | {cell('trace')} | "
-                           f"{cell('profile')} | {cell('solve')} | {cell('remat')} |")
+                           f"{cell('profile')} | {cell('solve')}{at} | {cell('remat')}{at} |")
             out.append("")
         if record.get("search"):
             out += ["Batch-size search on the same memory cap (the plain step's peak at twice the "
@@ -626,6 +628,17 @@ README_BEGIN = "<!-- results:begin (benchmarks/render.py writes this block) -->"
 README_END = "<!-- results:end -->"
 
 
+def _commits(records: list[dict[str, Any]]) -> str:
+    """``commit X``, or where the models were measured at different commits, each commit
+    with its models."""
+    models: dict[str, list[str]] = {}
+    for record in records:
+        models.setdefault(record["commit"], []).append(record["model"])
+    if len(models) == 1:
+        return f"commit {next(iter(models))}"
+    return "commits " + "; ".join(f"{commit} ({', '.join(names)})" for commit, names in models.items())
+
+
 def summary(results: Path = RESULTS) -> str:
     """The README's results block: per model of the newest GPU run if there is one, else of
     the CPU runs, every measured row (peak and time against plain, gradient agreement) and
@@ -638,8 +651,8 @@ def summary(results: Path = RESULTS) -> str:
         if not records:
             continue
         first = records[0]
-        lines += [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, commit "
-                  f"{first['commit']} ([RESULTS.md, {tag_dir.name}](benchmarks/RESULTS.md#{tag_dir.name})):", "",
+        lines += [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, "
+                  f"{_commits(records)} ([RESULTS.md, {tag_dir.name}](benchmarks/RESULTS.md#{tag_dir.name})):", "",
                   "| model | method | peak/plain | time/plain | grad diff | BN diff | largest batch |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for record in records:
