@@ -316,25 +316,30 @@ def predict_largest_by_projection(least_at: Callable[[int], tuple[int, Callable[
     """The largest size whose smallest feasible budget is within ``budget``, where each
     evaluation also projects its plan: ``least_at(size)`` gives the smallest budget at
     ``size`` and ``peak(other)``, the peak (with its margin) of the plan that has it, run
-    at another size. That plan still fits wherever its projected peak is within
-    ``budget``, so the largest such size fits (found by bisection on the cheap
-    projection), and the size ``granularity`` past it is evaluated next: where it does not
-    fit, the answer is known; where it does, its own plan goes on from there. A plan made
-    for a smaller batch is close to the best one for a larger (the same stages keep the
-    same values), so this takes two or three evaluations. When ``init_val`` does not fit,
-    :func:`predict_largest_by_min_budget` looks below it. None when nothing fits."""
+    at another size. The largest size where that peak stays within ``budget`` (bisection
+    on the cheap projection) is evaluated next, and the size ``granularity`` past the
+    largest that fits: where that one does not fit, the answer is known. A plan made for a
+    smaller batch is close to the best one for a larger (the same stages keep the same
+    values), so this takes two to four evaluations. Where a projected size does not fit by
+    the smallest budget itself (a solver whose own model is looser than the plan's
+    simulation), the answer lies between it and the largest known to fit, found by
+    :func:`predict_largest_by_min_budget`'s lines. When ``init_val`` does not fit, that
+    function looks below it. None when nothing fits."""
     check_search_args(init_val, max_val, granularity)
-    least, peak = least_at(init_val)
-    if least > budget:
-        def smallest(size: int) -> int:
-            return least if size == init_val else least_at(size)[0]
+    known: dict[int, int] = {}
 
-        return predict_largest_by_min_budget(smallest, budget, init_val, max_val, granularity,
-                                             max_evaluations - 1)
-    fit, evaluations = init_val, 1
-    while evaluations < max_evaluations:
-        # The plan fits at ``fit`` (its own size, or projected there): bisect above it.
-        lo, hi = fit, max_val + 1
+    def evaluate(size: int) -> Callable[[int], int]:
+        known[size], peak = least_at(size)
+        return peak
+
+    peak = evaluate(init_val)
+    if known[init_val] > budget:
+        return predict_largest_by_min_budget(
+            lambda size: known[size] if size in known else least_at(size)[0], budget, init_val,
+            max_val, granularity, max_evaluations - 1)
+    fit = init_val
+    while len(known) < max_evaluations:
+        lo, hi = fit, max_val + 1  # the latest plan fits at ``fit``: bisect above it
         if peak(max_val) <= budget:
             lo = max_val
         while hi - lo > 1:
@@ -343,16 +348,23 @@ def predict_largest_by_projection(least_at: Callable[[int], tuple[int, Callable[
                 lo = mid
             else:
                 hi = mid
-        fit = lo
-        after = fit + granularity
-        if after > max_val:
+        if lo == fit:  # the plan stops fitting here: is the size past it out of reach?
+            lo = fit + granularity
+            if lo > max_val or lo in known:
+                break
+        if lo in known:
             break
-        least, peak = least_at(after)
-        evaluations += 1
-        if least > budget:
+        candidate = evaluate(lo)
+        if known[lo] > budget:
             break
-        fit = after
-    return fit
+        fit, peak = lo, candidate
+    failing = [s for s, m in known.items() if m > budget and s > fit]
+    if not failing or min(failing) - fit <= granularity or len(known) >= max_evaluations:
+        return fit
+    # The projection overshot the solver's reach: its lines between the two known sizes.
+    return predict_largest_by_min_budget(
+        lambda size: known[size] if size in known else least_at(size)[0], budget, fit,
+        min(failing) - 1, granularity, max_evaluations - len(known) + 1)
 
 
 def _secant_guess(known: dict[int, int], budget: int, lo: int, hi: int, max_val: int) -> int:

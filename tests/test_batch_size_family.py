@@ -86,15 +86,16 @@ def test_the_prediction_by_smallest_budget_finds_the_crossing_in_few_solves(
 
 @settings(max_examples=200, deadline=None)
 @given(fixed=st.integers(0, 2000), per_sample=st.integers(1, 60), curve=st.sampled_from([0.0, 0.0, 0.3, 1.0]),
-       drift=st.sampled_from([0.0, 0.01, 0.03, 0.2]), budget=st.integers(0, 8000),
+       drift=st.sampled_from([0.0, 0.01, 0.03, 0.2, -0.2]), budget=st.integers(0, 8000),
        init_val=st.integers(1, 40), span=st.integers(0, 400), granularity=st.sampled_from([1, 1, 3]))
 def test_the_prediction_by_projected_plans_finds_the_crossing(
         fixed, per_sample, curve, drift, budget, init_val, span, granularity):
-    """Each evaluation's plan, projected to larger sizes, is at least the smallest budget
-    there and grows ``drift`` faster (a plan made for a smaller batch is near the best for
-    a larger). The answer is exact whenever the evaluations do not run out: two of them
-    when the projection is exact, at most four when it drifts by 3%; never a size that
-    does not fit; each size evaluated once."""
+    """Each evaluation's plan, projected to larger sizes, grows ``drift`` faster than the
+    smallest budget (a plan made for a smaller batch is near the best for a larger); a
+    negative drift is a solver whose own model cannot reach what the plan's simulation
+    says fits. The answer is exact whenever the evaluations do not run out: two or three
+    of them when the projection is exact, at most four when it drifts by 3%; never a size
+    that does not fit; each size evaluated once."""
     max_val = init_val + span
 
     def smallest(size: int) -> int:
@@ -117,8 +118,8 @@ def test_the_prediction_by_projected_plans_finds_the_crossing(
     if smallest(init_val) <= budget:  # projections upward: closed within granularity
         assert truth - granularity < found <= truth or len(calls) == 10
         if drift == 0.0:
-            assert len(calls) <= 2
-        elif drift <= 0.03 and granularity == 1:
+            assert len(calls) <= 3
+        elif 0 < drift <= 0.03 and granularity == 1:
             assert len(calls) <= 4, calls
 
 

@@ -9,6 +9,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import derive_graph
 from lightning_remat.graph.trace import trace_module
+from lightning_remat.planner import plain_peak_bytes
 from lightning_remat.solvers import simulate
 from tests import models
 
@@ -44,7 +45,10 @@ def test_derived_graph_predicts_the_real_profiles_peak(name):
         assert derived[node.id].saved == node.saved, node.id
     assert derived.meta.saved_input_bytes == real.meta.saved_input_bytes
     assert derived.meta.input_bytes == real.meta.input_bytes
-    assert abs(derived.meta.plain_peak_bytes - real.meta.plain_peak_bytes) <= 0.03 * real.meta.plain_peak_bytes
+    # Beyond the profiled sizes the plain peak is the simulator's (the measured line may
+    # fall below a convex peak there), as close to the measured one.
+    assert derived.meta.plain_peak_bytes is None
+    assert abs(plain_peak_bytes(derived) - real.meta.plain_peak_bytes) <= 0.03 * real.meta.plain_peak_bytes
     assert derived.meta.param_bytes == real.meta.param_bytes
     assert all(n.t_fwd >= 0 and n.t_bwd >= 0 for n in derived)
 
@@ -84,3 +88,19 @@ def test_bad_families_are_refused():
         derive_graph([], 8)
     with pytest.raises(ValueError, match="batch_size=0"):
         derive_graph([a], 0)
+
+
+def test_the_measured_plain_peak_is_carried_only_between_the_profiled_sizes():
+    """A step's peak is the largest of its moments, each affine in the batch: convex. The
+    line through two measured peaks bounds it from above between them and from below
+    beyond them (ResNet-101 on the CPU: the line from batch 4 and 8 put batch 21 at 553 MB,
+    where it measured 712 MB), so beyond them the derived graph leaves it to the simulator."""
+    small = Graph.chain([100, 100], t_fwd=[1.0, 1.0])
+    small.meta.batch_size, small.meta.plain_peak_bytes = 2, 1000
+    large = Graph.chain([200, 200], t_fwd=[1.0, 1.0])
+    large.meta.batch_size, large.meta.plain_peak_bytes = 4, 1400
+    assert derive_graph([small, large], 3).meta.plain_peak_bytes == 1200
+    for outside in (1, 8):
+        derived = derive_graph([small, large], outside)
+        assert derived.meta.plain_peak_bytes is None
+        assert plain_peak_bytes(derived) == simulate(derived).peak_bytes

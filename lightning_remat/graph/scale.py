@@ -6,8 +6,9 @@ A training step's costs are, per vertex, an affine function of the batch size ``
 - bytes: an activation of shape ``(b, ...)`` takes ``b`` times the bytes of one sample; a
   vertex that does not grow with the batch (a parameter slice, a loss reduced over the
   batch) keeps its size; parameter bytes never change. ``mem``, ``saved``, the workspaces,
-  the saved input bytes, the step's input bytes and its plain peak are affine in ``b``
-  (the peak is the parameter gradients plus activations);
+  the saved input bytes and the step's input bytes are affine in ``b``; its plain peak is
+  the largest of the step's moments, each affine, so only between two profiled sizes does
+  the line through them bound it (outside, the simulator gives it);
 - times: a fixed cost per op (dispatch, kernel launch) plus a part that grows with ``b``.
 
 From two profiles at sizes ``b1 < b2`` every such cost is the line through its two
@@ -119,7 +120,11 @@ def derive_graph(profiles: Sequence[Graph], batch_size: int) -> Graph:
         meta.saved_input_bytes = {
             k: int(round(at(small.meta.saved_input_bytes.get(k, 0), large.meta.saved_input_bytes.get(k, 0))))
             for k in sorted(keys)}
-    if small.meta.plain_peak_bytes and large.meta.plain_peak_bytes:
+    if small.meta.plain_peak_bytes and large.meta.plain_peak_bytes and b1 <= batch_size <= b2:
+        # The peak is the largest of the step's moments, each affine in the batch: a convex
+        # function, which the chord bounds from above between the two sizes and from below
+        # outside them (where a later moment's activations overtake the one that peaked).
+        # Outside, it is left to the simulator (None).
         meta.plain_peak_bytes = int(round(at(small.meta.plain_peak_bytes, large.meta.plain_peak_bytes)))
     else:
         meta.plain_peak_bytes = None

@@ -593,8 +593,8 @@ class RematBatchSizeFinder(Callback):
 
             return predict_largest(plain_fits, init_val, self.max_val, self.granularity)
         # A solver's smallest budget, and the plan that has it run at larger sizes, give the
-        # crossing in two or three solves, where a search on fits-or-not solves at every
-        # size it doubles to.
+        # crossing in a few solves, where a search on fits-or-not solves at every size it
+        # doubles to.
         def least_at(size: int) -> tuple[int, Callable[[int], int]]:
             graph = trial.derived(size)
             least = min_budget(graph, solver, **options)
