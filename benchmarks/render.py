@@ -503,7 +503,7 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
                   " (`--set equal-memory`)" if first.get("set") == "equal-memory" else "")
         out += [f"## {tag_dir.name}", "",
                 f"{first['machine']}, torch {first['torch']}, Python {first.get('python', '?')}, "
-                f"measured {first['date']} at commit {first['commit']}{subset}.", ""]
+                f"measured {first['date']} at {_commits(records)}{subset}.", ""]
         path = plot(tag_dir.name, records, plots)
         if path is not None:
             out += [f"![{tag_dir.name}: peak against step time]({path.relative_to(output.parent).as_posix()})", ""]
