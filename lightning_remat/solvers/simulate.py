@@ -142,22 +142,20 @@ def _inplace_operand(graph: Graph, v: str) -> str | None:
     return max(same, key=graph.position) if same else None
 
 
-def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None,
-                      shared: SharedSteps | None = None) -> set[str]:
+def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> set[str]:
     """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
     that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
     vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
     and either is recomputed, when another recomputed stage reads ``t``, or when ``v`` is
     recomputed and its result (or ``t``, in its own stage) crosses the stage boundary."""
     stage_of = plan.stage_of()
-    return _rewritten(graph, plan, stage_of, *_graph_parts(graph, succ, shared))
+    return _rewritten(graph, plan, stage_of, *_graph_parts(graph, succ))
 
 
 def _graph_parts(graph: Graph, succ: dict[str, list[str]] | None,
-                 shared: SharedSteps | None) -> tuple[dict[str, list[str]], dict[str, str], set[str]]:
-    """Successors along data edges, each in-place op's operand, and the model outputs."""
-    if shared is not None:
-        return shared.succ, shared.inplace, shared.outputs
+                 ) -> tuple[dict[str, list[str]], dict[str, str], set[str]]:
+    """Successors along data edges, each in-place op's operand, and the model outputs (what
+    :class:`SharedSteps` keeps for many plans)."""
     inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
     return succ if succ is not None else _adjacency(graph)[0], inplace, outputs
@@ -180,15 +178,14 @@ def _rewritten(graph: Graph, plan: Plan, stage_of: dict[str, int], succ: dict[st
     return rewritten
 
 
-def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None,
-                  shared: SharedSteps | None = None) -> list[set[str]]:
+def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> list[set[str]]:
     """Per stage, the vertices whose values a recomputed stage keeps from its forward and
     does not run again (empty for other stages): its boundary ``B(Li)`` and the model
     outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
     rewrite (docs/design.md section 5). A value whose only reader in a later stage reads its
     shape is not kept (:func:`data_edges`)."""
     stage_of = plan.stage_of()
-    parts = _graph_parts(graph, succ, shared)
+    parts = _graph_parts(graph, succ)
     return _kept(graph, plan, stage_of, _rewritten(graph, plan, stage_of, *parts), *parts)
 
 
@@ -389,8 +386,7 @@ class SharedSteps:
         self.position = {v: k for k, v in enumerate(graph.ids)}
         self.succ, self.pred = _adjacency(graph)
         self.vertices: dict[frozenset[str], dict[str, Any]] = {}
-        self.inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
-        self.outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
+        _, self.inplace, self.outputs = _graph_parts(graph, self.succ)
         self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
         self.prefixes: dict[tuple, dict[str, Any]] = {}  # _StepSimulation.forward_state
 
