@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,25 @@ def _data_ptr(t: torch.Tensor) -> int:
 
 def is_cuda(device: Any) -> bool:
     return torch.device(device).type == "cuda"
+
+
+@contextmanager
+def collector_settled() -> Iterator[None]:
+    """One garbage collection, then the objects alive now out of the collector's reach
+    (``gc.freeze``) until the block ends, for a block that measures many steps (the
+    batch-size search): the CPU meter collects garbage before every measured step
+    (:func:`peak_bytes`), which with a Trainer's objects in reach takes a large part of a
+    second. Where objects are frozen already (the caller's own, or an enclosing block's),
+    nothing changes: unfreezing would thaw them too."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def peak_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:

@@ -3,6 +3,8 @@ answer predicted and measured around, and the found size trained without profili
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -150,7 +152,14 @@ def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch
     trainer = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, max_steps=1,
                          callbacks=[finder], strategy=strategy)
-    trainer.fit(model)
+    gc.collect()
+    gc.freeze()  # the caller's own frozen objects stay frozen (some may be freed meanwhile)
+    try:
+        frozen = gc.get_freeze_count()
+        trainer.fit(model)
+        assert gc.get_freeze_count() > frozen // 2
+    finally:
+        gc.unfreeze()
     # Shown while it ran: the profiling, the prediction, and one summary line at the end.
     said = [line for line in lines if line.startswith("lightning-remat: batch-size search")]
     assert "profiling at batch sizes [2, 4]" in said[0]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
 from lightning_remat.graph.trace import Traced, default_loss, local_bytes, trace_module
 from lightning_remat.lightning.strategy import RematHooks
-from lightning_remat.meter import peak_bytes
+from lightning_remat.meter import collector_settled, peak_bytes
 from lightning_remat.planner import (
     DistributedRanks,
     Planned,
@@ -635,10 +634,8 @@ class RematBatchSizeFinder(Callback):
         bar = trainer.progress_bar_callback
         if bar is not None:
             bar.disable()
-        # The CPU meter calls gc.collect() around every step; with the objects alive now
-        # moved out of the collector's reach it takes milliseconds instead of half a second.
-        gc.collect()
-        gc.freeze()
+        settled = contextlib.ExitStack()
+        settled.enter_context(collector_settled())  # the CPU meter collects before every step
         try:
             sample_shape = ""
             with contextlib.suppress(Exception):  # the name is only a label; never fail on it
@@ -686,7 +683,7 @@ class RematBatchSizeFinder(Callback):
                 + planning_summary(seconds, step)
                 + (f" at batch {family[-1].meta.batch_size}" if step else ""))
         finally:
-            gc.unfreeze()
+            settled.close()
             if bar is not None:
                 bar.enable()
             lightning_setattr(pl_module, self.batch_arg_name, original)
