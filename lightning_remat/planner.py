@@ -591,8 +591,7 @@ class Planner:
             world_size=str(world_size()), sharding=self.sharding,
         )
         graph, plan, from_cache = make(args, kwargs, key, traced, basis)
-        variant = build_traced_variant(traced, plan, self.remat_module, module)
-        variant.graph = graph
+        variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
         variant.budget_bytes = settings.budget_bytes(graph, device)
         variant.from_cache = from_cache
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None

@@ -552,8 +552,8 @@ class Widths(nn.Module):
 def test_the_backward_runs_again_exactly_the_plans_recompute_set(cuts: list[str]) -> None:
     """Only Vi \\ B(Li) of each recomputed stage runs again in the backward (Kusumoto et al.
     2019, eq. 1): the forward ops seen during loss.backward() are exactly those of the
-    vertices ``recomputed_vertices`` names, stage by stage."""
-    from lightning_remat.solvers.simulate import recomputed_vertices
+    vertices the schedule's ``recomputed`` names, stage by stage."""
+    from lightning_remat.solvers.schedule import make_schedule
 
     torch.manual_seed(0)
     model = Widths()
@@ -562,7 +562,7 @@ def test_the_backward_runs_again_exactly_the_plans_recompute_set(cuts: list[str]
     ids = traced.graph.ids
     plan = cut_plan(traced.graph, cuts, ["recompute"] * len(cuts) + ["keep"])
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
-    recomputed = recomputed_vertices(traced.graph, plan)
+    recomputed = make_schedule(traced.graph, plan).recomputed
     assert any(recomputed) and all(len(r) < len(s.nodes) for r, s in zip(recomputed, plan.stages) if s.action == "recompute")
 
     # The forward ops of each vertex, from a plain forward node by node.

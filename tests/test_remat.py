@@ -112,6 +112,7 @@ def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_devi
     device, leaving the process's RNG, grad mode and warning filters as they were) and the
     plan's predicted extra time includes it."""
     from lightning_remat.runtime.module import measure_recompute_overhead
+    from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.simulate import recomputed_seconds
 
     rng, filters, grad = torch.get_rng_state(), list(warnings.filters), torch.is_grad_enabled()
@@ -126,11 +127,12 @@ def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_devi
                 solver="test-segments")
     meta, plan = run.graph.meta, run.plan
     assert (meta.recompute_stage_seconds, meta.recompute_vertex_seconds) == (per_stage, per_vertex)
-    recomputed = [s for s in plan.stages if s.action == "recompute"]
+    schedule = make_schedule(run.graph, plan)
+    recomputed = [s for s in schedule.stages if s.action == "recompute"]
     assert recomputed
     assert plan.predicted_extra_seconds == pytest.approx(
-        recomputed_seconds(run.graph, plan)
-        + sum(per_stage + per_vertex * len(s.nodes) for s in recomputed))
+        recomputed_seconds(run.graph, schedule)
+        + sum(per_stage + per_vertex * len(s.vertices) for s in recomputed))
 
 
 def test_fractions_are_of_the_profiled_plain_peak() -> None:

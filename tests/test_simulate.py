@@ -212,15 +212,15 @@ def test_a_reader_of_only_the_shape_keeps_nothing_alive():
     """``c`` reads ``b`` and only ``a``'s shape (``meta.shape_edges``): a recomputed stage
     [a, b] keeps only ``b`` for the next stage, and in the plain step ``a`` dies when ``b``
     has read it, not when ``c`` runs; no gradient flows to ``a`` through the shape."""
-    from lightning_remat.solvers.simulate import kept_boundary
+    from lightning_remat.solvers.schedule import make_schedule
 
     nodes = [Node("a", "conv", mem=100), Node("b", "conv", mem=10), Node("c", "conv", mem=1)]
     edges = [("a", "b"), ("b", "c"), ("a", "c")]
     plain_edges = Graph(nodes, edges, {"param_bytes": {}, "saved_refs": {}})
     shaped = Graph(nodes, edges, {"param_bytes": {}, "saved_refs": {}, "shape_edges": [["a", "c"]]})
     plan = make_plan(shaped, [(["a", "b"], "recompute"), (["c"], "keep")], "t")
-    assert kept_boundary(shaped, plan) == [{"b"}, set()]
-    assert kept_boundary(plain_edges, plan) == [{"a", "b"}, set()]
+    assert make_schedule(shaped, plan).kept == [{"b"}, set()]
+    assert make_schedule(plain_edges, plan).kept == [{"a", "b"}, set()]
     def forward_live(graph: Graph) -> list[int]:
         return [e.live_bytes for e in simulate(graph).events if e.phase == "forward"]
 

@@ -26,7 +26,11 @@ unless a writer set it; other keys are kept as they are in ``GraphMeta.extra``. 
   allocates, each parameter's at its last op in the forward (a tied weight's at its last
   reader, not its owner). Absent, at the owner;
 - ``shape_edges``: ``[[u, v], ...]`` the edges through which only ``u``'s shape flows
-  (``v`` does not need ``u``'s value alive).
+  (``v`` does not need ``u``'s value alive);
+- ``inplace``: ``{id: operand}`` each op that writes its first argument in place and the
+  vertex it writes (an id not in the graph: a step input), ``graph/ops.py``;
+- ``random``: ids of the vertices whose op draws random numbers (an aten op tagged
+  ``nondeterministic_seeded`` ran under it), ``graph/ops.py``.
 
 The profiler (``graph/profile.py``) adds the setting and the measurements:
 
@@ -220,6 +224,10 @@ class GraphMeta:
     parameter's at its last op in the forward (None: at its owner, ``param_bytes``)."""
     shape_edges: list[list[str]] | None = None
     """``[[u, v], ...]``: edges through which only ``u``'s shape flows."""
+    inplace: dict[str, str] | None = None
+    """``{id: operand}``: in-place ops and the vertex each writes (another id: a step input)."""
+    random: list[str] | None = None
+    """Ids of the vertices whose op draws random numbers (torch's op tags)."""
     # ---- the profiled step -------------------------------------------------------------------
     batch_size: int | None = None
     """The profiled batch size (None when the inputs have no batch dimension)."""

@@ -57,14 +57,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
+from lightning_remat.graph.ops import draws_random, mutated_operand
 
 __all__ = [
     "CHILDREN", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem",
-    "call_through", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
+    "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
 ]
 
 
@@ -302,6 +304,18 @@ def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[t
     return out_a, out_b
 
 
+class _RandomOps(TorchDispatchMode):
+    """Notes whether an aten op run under it draws random numbers (``graph.ops``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.drew = self.drew or draws_random(func)
+        return func(*args, **(kwargs or {}))
+
+
 class ValueRecorder(fx.Interpreter):
     """Records what each node's value is: a tensor, a structure holding tensors, or other."""
 
@@ -309,9 +323,15 @@ class ValueRecorder(fx.Interpreter):
         super().__init__(gm)
         self.kind: dict[str, str] = {}
         self.numel: dict[str, int] = {}
+        self.random: set[str] = set()
+        """Nodes that dispatched an aten op drawing random numbers (``graph.ops``)."""
 
     def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
+        recorder = _RandomOps()
+        with recorder:
+            value = super().run_node(n)
+        if recorder.drew:
+            self.random.add(n.name)
         if isinstance(value, torch.Tensor):
             self.kind[n.name] = "tensor"
             self.numel[n.name] = value.numel()
@@ -460,9 +480,27 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
     for vid, nbytes in last_user.values():
         if nbytes:
             param_grad_bytes[vid] = param_grad_bytes.get(vid, 0) + nbytes
+    # In-place ops and the value each writes (a placeholder's name: a step input); writes
+    # into parameters and buffers (get_attr) are state, not values.
+    inplace: dict[str, str] = {}
+    for n in nodes:
+        operand = mutated_operand(n, gm) if n.name in vertex else None
+        if operand is not None and operand.op != "get_attr":
+            inplace[n.name] = charge.get(operand.name, operand.name)
     meta = GraphMeta(input_consumers=input_consumers, outputs=outputs, param_bytes=param_bytes,
-                     param_grad_bytes=param_grad_bytes, shape_edges=shape_edges)
+                     param_grad_bytes=param_grad_bytes, shape_edges=shape_edges, inplace=inplace)
     return Graph(graph_nodes, edges, meta), charge
+
+
+def fx_vertex_graph(gm: fx.GraphModule, plan: Any, charge: dict[str, str] | None = None) -> Graph:
+    """The vertex graph (zero costs) of a traced module whose vertices a plan names, from
+    its structure alone (no run): the plan's vertices are the tensors, the nodes ``charge``
+    maps to another vertex are their tuple producers. Its op kinds are what the fx graph
+    shows (``graph.ops``); random ops are known by name."""
+    vertices = {v for stage in plan.stages for v in stage.nodes}
+    kind = {n: "tensor" for n in vertices}
+    kind.update({n: "tensors" for n, v in (charge or {}).items() if n != v})
+    return build_fx_graph(gm, kind)[0]
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -513,6 +551,8 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
             "(Python control flow was specialised at trace time)"
         )
     traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
+    traced.graph.meta.random = sorted(
+        {traced.charge[n] for n in recorder.random if n in traced.charge}, key=traced.graph.position)
     if not len(traced.graph):
         raise RuntimeError("the traced graph computes no tensor")
     return traced

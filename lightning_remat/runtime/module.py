@@ -21,6 +21,7 @@ How each stage runs:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import time
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.trace import CHILDREN, Traced
+from lightning_remat.graph.trace import CHILDREN, Traced, fx_vertex_graph
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
@@ -50,6 +51,7 @@ from lightning_remat.runtime.stages import (
     rebuild_output,
 )
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.schedule import make_schedule
 
 __all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_traced_variant",
            "build_variant", "measure_recompute_overhead"]
@@ -224,10 +226,12 @@ class RematModule(nn.Module):
                 # Selective checkpointing imports sympy on first use, which adds a warning
                 # filter: the filters are restored (the library changes no global state).
                 guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+                region = KeptRegion() if program.kept_boundary else None
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
-                        program.fn, self, *inputs, use_reentrant=False, preserve_rng_state=True,
-                        context_fn=self._context_fn(program, sharded),
+                        program.fn, self, *([region] if region else []), *inputs,
+                        use_reentrant=False, preserve_rng_state=True,
+                        context_fn=self._context_fn(program, sharded, region),
                     )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
@@ -237,6 +241,8 @@ class RematModule(nn.Module):
                     hooks.reserve(*plan_offload_bytes(variant.graph, variant.plan))
                 with hooks:
                     outputs = program.fn(self, *inputs)
+            elif program.kept_boundary:  # its code marks the kept nodes of a region
+                outputs = program.fn(self, KeptRegion(), *inputs)
             else:
                 outputs = program.fn(self, *inputs)
             del inputs
@@ -246,26 +252,27 @@ class RematModule(nn.Module):
             del outputs
         return rebuild_output(stages.output, env)
 
-    def _context_fn(self, program: StageProgram, sharded: bool) -> Callable[[], tuple[Any, Any]]:
+    def _context_fn(self, program: StageProgram, sharded: bool,
+                    region: KeptRegion | None) -> Callable[[], tuple[Any, Any]]:
         """The contexts the stage's forward and its recomputation run in: selective
-        checkpointing that keeps the boundary values (docs/design.md section 5), and the
-        norm statistics restored around the recomputation. ``sharded``: the module holds
-        FSDP units."""
+        checkpointing that keeps the boundary values (docs/design.md section 5), its policy
+        reading this call's ``region``, and the norm statistics restored around the
+        recomputation. ``sharded``: the module holds FSDP units."""
         restores = bool(program.norm_modules or program.state_buffers)
-        if not program.kept_boundary:
+        if region is None:
             if not restores:
                 return torch.utils.checkpoint.noop_context_fn
             return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
 
         def contexts() -> tuple[Any, Any]:
-            forward, recompute = create_selective_checkpoint_contexts(boundary_policy)
+            forward, recompute = create_selective_checkpoint_contexts(functools.partial(boundary_policy, region))
             if restores:
                 # The snapshot is taken outside the recomputation mode, which would see its copies.
                 recompute = _both(RestoreNormStatistics(self, program), recompute)
             if sharded:  # FSDP's hooks: their profiler ranges kept out of the op matching
                 forward, recompute = _both(forward, _ProfilerRangesAside()), _both(recompute, _ProfilerRangesAside())
-            return (_both(_UncachedAutocast(), _both(KeptRegion(), forward)),
-                    _both(_UncachedAutocast(), _both(KeptRegion(), recompute)))
+            return (_both(_UncachedAutocast(), _both(region.outside(), forward)),
+                    _both(_UncachedAutocast(), _both(region.outside(), recompute)))
 
         return contexts
 
@@ -334,27 +341,36 @@ def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: lis
 
 def build_variant(
     gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None = None,
-    charge: dict[str, str] | None = None,
+    charge: dict[str, str] | None = None, graph: Graph | None = None,
 ) -> Variant:
     """``plan`` compiled for ``owner`` to run the forward ``gm`` traces (``root``: the module
-    ``gm`` was traced from; ``charge``: fx node name -> vertex id where they differ)."""
+    ``gm`` was traced from; ``charge``: fx node name -> vertex id where they differ;
+    ``graph``: the vertex graph the plan was made on, whose schedule the stages follow, by
+    default the one ``gm``'s structure gives, :func:`~lightning_remat.graph.trace.fx_vertex_graph`)."""
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
-    stages = compile_stages(gm.graph, plan, owner, charge)
+    if graph is None:
+        graph = fx_vertex_graph(gm, plan, charge)
+    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
 
 
-def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: nn.Module) -> Variant:
+def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: nn.Module,
+                         graph: Graph | None = None) -> Variant:
     """``plan`` compiled for ``owner`` to run ``root`` as :func:`trace_module` traced it: the
     fx graph stage by stage, or for the fallback ``root``'s own forward with its submodules
-    checkpointed in place."""
+    checkpointed in place. ``graph``: the profiled graph the plan was made on (default: the
+    trace's), whose schedule the stages follow."""
     if traced.kind == CHILDREN:
         try:
             signature = inspect.signature(root.forward)
         except (TypeError, ValueError):
             signature = inspect.Signature()
-        return Variant(plan=plan, stages=None, signature=signature,
+        return Variant(plan=plan, stages=None, signature=signature, graph=graph,
                        hooked=SubmoduleCheckpointing(root, plan))
-    return build_variant(traced.runner, plan, owner, root, traced.charge)
+    variant = build_variant(traced.runner, plan, owner, root, traced.charge,
+                            graph if graph is not None else traced.graph)
+    variant.graph = graph
+    return variant
 
 
 def apply_plan(
@@ -364,6 +380,7 @@ def apply_plan(
     offload_hooks_factory: OffloadHooksFactory | None = None,
     root: nn.Module | None = None,
     charge: dict[str, str] | None = None,
+    graph: Graph | None = None,
 ) -> RematModule:
     """The module ``gm`` traces, run under ``plan``.
 
@@ -374,11 +391,13 @@ def apply_plan(
     hooks of offloaded stages (default: one shared
     :class:`~lightning_remat.runtime.offload.OffloadHooks`). ``charge`` maps fx node names to
     the vertex ids they belong to when those differ
-    (:attr:`lightning_remat.graph.trace.Traced.charge`)."""
+    (:attr:`lightning_remat.graph.trace.Traced.charge`). ``graph``: the vertex graph the plan
+    was made on (:attr:`~lightning_remat.graph.trace.Traced.graph` or its profile), whose
+    schedule the stages follow; by default the one ``gm``'s structure gives."""
     owner = RematModule(root if root is not None else gm)
     if offload_hooks_factory is not None:
         owner._remat_offload_factory = offload_hooks_factory
-    variant = build_variant(gm, plan, owner, root, charge)
+    variant = build_variant(gm, plan, owner, root, charge, graph)
     owner.variants[None] = variant
     owner._remat_current = variant
     return owner

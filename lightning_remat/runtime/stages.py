@@ -11,29 +11,30 @@ producer such as ``chunk``) runs with that vertex; every other node (``size()``,
 runs as early as its inputs allow, so what crosses a boundary is a small value rather than
 the tensor it was read from; ``get_attr`` nodes are repeated in each stage that reads them.
 
-In-place ops at stage boundaries: an in-place op whose operand comes from another stage (or
-is read by another stage, or is the input of a recomputed stage) is rewritten to act on a
-clone, and the later readers of the operand read the op's result instead (functionalisation
-of that one op). Recomputation then starts from the unmodified stage input;
-``checkpoint_sequential`` recomputes from the modified one or trips the version counter.
+What a stage does is not decided here: ``schedule`` (``solvers.schedule``, the plan
+compiled once on the vertex graph, which the simulator follows too) names the in-place ops
+to rewrite and the values a recomputed stage keeps; this module turns that into code.
+
+In-place ops the schedule rewrites run on their out-of-place form or on a clone, and the
+later readers of the operand read the op's result instead (functionalisation of that one
+op). Recomputation then starts from the unmodified stage input; ``checkpoint_sequential``
+recomputes from the modified one or trips the version counter.
 
 BatchNorm running statistics: :class:`RestoreNormStatistics` snapshots and restores the
 running statistics of a stage's norm layers around its recomputation, so they are updated
 exactly once per step, as in the plain run (docs/design.md section 5).
 
-Kept boundary values: a recomputed stage's boundary nodes run between markers that
-:func:`boundary_policy`, the stage's selective-checkpoint policy, reads, so their outputs
-are kept from the forward and only the rest of the stage runs again.
-
-Length: placement, the in-place rewrites, code generation and the kept-boundary policy all
-decide together what one stage program does under a plan; split, each would need the
-others' rules.
+Kept values: a recomputed stage's kept nodes run between the ``begin`` and ``end`` of the
+:class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
+stage's selective-checkpoint policy, reads, so their outputs are kept from the forward and
+only the rest of the stage runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,47 +44,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_remat.graph.ops import keepable, mutated_operand
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.solvers.simulate import RANDOM_OPS
+from lightning_remat.solvers.schedule import Schedule
 
 __all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
-           "call_out_of_place", "compile_stages", "keep_boundary_begin", "keep_boundary_end",
+           "call_out_of_place", "compile_stages",
            "rebuild_output"]
-
-# ---------------------------------------------------------------------------------------
-# in-place detection
-# ---------------------------------------------------------------------------------------
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
-}
-
-
-def _mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
-    """The node whose tensor ``node`` modifies in place, or None."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    first = node.args[0]
-    if node.op == "call_module":
-        try:
-            module = owner.get_submodule(str(node.target))
-        except AttributeError:
-            return None
-        return first if getattr(module, "inplace", False) is True else None
-    if node.op == "call_function":
-        if node.kwargs.get("inplace") is True or node.target in _INPLACE_OPERATORS:
-            return first
-        name = getattr(node.target, "__name__", "")
-        if name.endswith("_") and not name.startswith("_"):
-            return first
-        return None
-    if node.op == "call_method":
-        name = str(node.target)
-        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
-            return first
-    return None
-
 
 # ---------------------------------------------------------------------------------------
 # stage assignment
@@ -133,52 +100,22 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return copied
 
 
-def _functionalize_crossing_inplace(
-    graph: fx.Graph, stage: dict[str, int], actions: list[str], owner: nn.Module
-) -> list[str]:
-    """Rewrite the in-place ops that would break under the plan (see the module docstring)
-    to leave their operand unchanged: the out-of-place form of the op where there is one
-    (``ReLU(inplace=True)`` run with ``inplace=False``, ``relu_`` -> ``relu``, ``+=`` -> ``+``),
-    else the op on a clone. Return the names of the rewritten ops.
-
-    An op is rewritten when its operand comes from another stage and either stage is
-    recomputed (recomputation must start from, and a kept boundary value must stay, the
-    unmodified tensor), when another stage reads the operand and is recomputed or runs on
-    the other side of the op, or when the op is in a recomputed stage and its result or its
-    operand crosses the stage boundary: a boundary value is kept from the forward
-    (docs/design.md section 5), and an in-place op cannot hand back a kept tensor in the
-    recomputation. ``lightning_remat.solvers.simulate.rewritten_inplace`` states the same
-    rule on the vertex graph."""
+def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[str],
+                           owner: nn.Module) -> list[str]:
+    """Rewrite the in-place ops named in ``rewrite`` (the schedule's ``rewritten``,
+    ``solvers.schedule``) to leave their operand unchanged: the out-of-place form of the op
+    where there is one (``ReLU(inplace=True)`` run with ``inplace=False``, ``relu_`` ->
+    ``relu``, ``+=`` -> ``+``), else the op on a clone; the operand's later readers read the
+    op's result instead. Return the names of the rewritten ops."""
     position = {node: k for k, node in enumerate(graph.nodes)}
     rewritten: list[str] = []
-
-    def crosses(node: fx.Node) -> bool:
-        return any(u.op == "output" or (u.name in stage and stage[u.name] != stage[node.name])
-                   for u in node.users)
-
     for op_node in list(graph.nodes):
-        if op_node.op not in ("call_module", "call_function", "call_method"):
+        if op_node.name not in rewrite:
             continue
-        operand = _mutated_operand(op_node, owner)
+        operand = mutated_operand(op_node, owner)
         if operand is None or operand.op == "get_attr":
             continue  # in-place updates of parameters/buffers are state, not values
         op_stage = stage[op_node.name]
-        recomputed = actions[op_stage] == "recompute"
-        other_users = [u for u in operand.users if u is not op_node and u.op != "output"]
-        from_outside = operand.op == "placeholder" or stage[operand.name] != op_stage
-        operand_recomputed = operand.op != "placeholder" and actions[stage[operand.name]] == "recompute"
-        needs = (
-            (from_outside and (recomputed or operand_recomputed))
-            or any(
-                stage[u.name] != op_stage
-                and (actions[stage[u.name]] == "recompute"
-                     or (position[u] < position[op_node]) != (stage[u.name] < op_stage))
-                for u in other_users
-            )
-            or (recomputed and (crosses(op_node) or (not from_outside and crosses(operand))))
-        )
-        if not needs:
-            continue
         if _make_out_of_place(graph, op_node, owner):
             result = op_node
         else:
@@ -279,8 +216,9 @@ class StageProgram:
     """Environment values no later stage reads: released after this stage."""
     kept_boundary: list[str] = field(default_factory=list)
     """For a recomputed stage: the nodes whose aten ops' outputs are kept from the forward
-    and not run again (the stage's boundary values, docs/design.md section 5); their code
-    runs between :func:`keep_boundary_begin` and :func:`keep_boundary_end`."""
+    and not run again (the schedule's ``kept``, docs/design.md section 5). The stage's code
+    then takes a :class:`KeptRegion` after ``self`` and marks each such node's code with its
+    ``begin``/``end``."""
     stage_graph: fx.Graph | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -306,15 +244,12 @@ def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[...
 
 
 def _build_programs(
-    graph: fx.Graph, stage: dict[str, int], plan: Plan, owner: nn.Module
+    graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
+    members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
 ) -> tuple[list[StageProgram], Any]:
-    n_stages = len(plan.stages)
-    nodes = list(graph.nodes)
-    output_node = next(n for n in nodes if n.op == "output")
-    members: list[list[fx.Node]] = [[] for _ in range(n_stages)]
-    for node in nodes:
-        if node.name in stage:
-            members[stage[node.name]].append(node)
+    """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
+    outputs a recomputed stage keeps), with the action the schedule gives it."""
+    output_node = next(n for n in graph.nodes if n.op == "output")
 
     def value_stage(node: fx.Node) -> int:
         return -1 if node.op == "placeholder" else stage[node.name]
@@ -347,7 +282,9 @@ def _build_programs(
                 inputs.append(arg.name)
             return env[arg.name]
 
+        kept = kept_nodes[k]
         # Placeholders first: fx wants them at the top of the graph.
+        region = stage_graph.placeholder("_remat_region") if kept else None
         for node in stage_nodes:
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
@@ -356,13 +293,12 @@ def _build_programs(
             n.name for n in stage_nodes
             if n.name in output_values or last_reader.get(n.name, -1) > k
         ]
-        kept = _kept_boundary(stage_nodes, outputs, owner) if plan.stages[k].action == "recompute" else []
         for node in stage_nodes:
             if node.name in kept:
-                stage_graph.call_function(keep_boundary_begin, ())
+                stage_graph.call_method("begin", (region,))
             env[node.name] = stage_graph.node_copy(node, lookup)
             if node.name in kept:
-                stage_graph.call_function(keep_boundary_end, ())
+                stage_graph.call_method("end", (region,))
             if node.op == "call_module":
                 module = owner.get_submodule(str(node.target))
                 for sub_name, sub in module.named_modules(prefix=str(node.target)):
@@ -379,7 +315,7 @@ def _build_programs(
             if last == k and name not in output_values
         )
         programs.append(StageProgram(
-            index=k, action=plan.stages[k].action, input_names=inputs, output_names=outputs,
+            index=k, action=schedule.stages[k].action, input_names=inputs, output_names=outputs,
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
@@ -388,102 +324,48 @@ def _build_programs(
     return programs, output_structure
 
 
-def _kept_boundary(stage_nodes: list[fx.Node], outputs: list[str], owner: nn.Module) -> set[str]:
-    """The nodes of a recomputed stage whose results are kept from the forward: those whose
-    value a later stage or the forward's output reads (for a ``getitem`` of a tuple producer
-    such as ``chunk``, the producer), except in-place ops (an in-place op cannot hand back
-    a kept tensor in the recomputation; :func:`_functionalize_crossing_inplace` has made
-    the crossing ones out-of-place) and random ops (``RANDOM_OPS``: a random op writes its
-    draws into a tensor it made, which a kept tensor must not see, and a skipped draw would
-    shift the stage's later ones)."""
-    members = {n.name for n in stage_nodes}
-    by_name = {n.name: n for n in stage_nodes}
-    kept: set[str] = set()
-    for name in outputs:
-        node = by_name[name]
-        if (node.op == "call_function" and node.target is operator.getitem
-                and isinstance(node.args[0], fx.Node) and node.args[0].name in members):
-            node = node.args[0]
-        if (node.op in ("call_module", "call_function", "call_method")
-                and _mutated_operand(node, owner) is None and _op_name(node, owner) not in RANDOM_OPS):
-            kept.add(node.name)
-    return kept
-
-
-def _op_name(node: fx.Node, owner: nn.Module) -> str:
-    """The op name the trace gives a vertex (``graph.trace``): a module's class name, a
-    method's name, a function's name."""
-    if node.op == "call_module":
-        return type(owner.get_submodule(str(node.target))).__name__
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
+def _kept_nodes(stage_nodes: list[fx.Node], kept_vertices: frozenset[str],
+                charge: dict[str, str]) -> set[str]:
+    """The fx nodes of a recomputed stage whose aten ops' outputs are kept: those of the
+    schedule's kept vertices, a tuple producer (``chunk``) with the vertex the trace charges
+    it to."""
+    return {n.name for n in stage_nodes if charge.get(n.name, n.name) in kept_vertices}
 
 
 class KeptRegion:
-    """Whether the running code is inside a kept boundary node (see
-    :func:`boundary_policy`). Entered around a recomputed stage's forward and its
-    recomputation, it starts and ends outside: checkpoint stops a recomputation early by
-    raising, which can leave a node's end marker unrun."""
+    """Whether a recomputed stage's code is inside one of its kept nodes: one per call of
+    the stage, handed to its code (which marks each kept node with :meth:`begin` and
+    :meth:`end`) and to its checkpoint policy (:func:`boundary_policy`). :meth:`outside`
+    is entered around the forward and the recomputation: checkpoint stops a recomputation
+    early by raising, which can leave a node's end unmarked."""
 
-    inside = False
+    __slots__ = ("inside",)
 
-    def __enter__(self) -> None:
-        KeptRegion.inside = False
+    def __init__(self) -> None:
+        self.inside = False
 
-    def __exit__(self, *exc: object) -> None:
-        KeptRegion.inside = False
+    def begin(self) -> None:
+        self.inside = True
 
+    def end(self) -> None:
+        self.inside = False
 
-def keep_boundary_begin() -> None:
-    """Marks the start of a kept boundary node in generated stage code."""
-    KeptRegion.inside = True
-
-
-def keep_boundary_end() -> None:
-    """Marks the end of a kept boundary node in generated stage code."""
-    KeptRegion.inside = False
-
-
-_KEEPABLE: dict[Any, bool] = {}
-
-
-def _keepable(op: Any) -> bool:
-    """Whether an aten op's outputs can be kept from the forward: not an in-place op (its
-    result must be the tensor it modified in the recomputation too), not a random op (a
-    kept random op draws nothing in the recomputation, which would shift the numbers every
-    later random op of the stage draws) and not a view (a kept view holds its base's whole
-    storage, which may be a value the plan recomputes, such as the input a ``Linear``
-    reshapes; a view costs nothing to make again from its recomputed or kept base). Only
-    ops that return tensors: a profiler range that FSDP's hooks open inside a boundary
-    node has nothing to keep, and its calls need not repeat in the recomputation."""
-    known = _KEEPABLE.get(op)
-    if known is None:
-        aliases = any(r.alias_info is not None for r in op._schema.returns)
-        random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        known = _KEEPABLE[op] = _returns_tensors(op._schema) and not (aliases or random)
-    return known
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        self.inside = False
+        try:
+            yield
+        finally:
+            self.inside = False
 
 
-def _returns_tensors(schema: Any) -> bool:
-    """Whether every return of an op schema is a tensor (or an optional or a list of them)."""
-    for value in schema.returns:
-        kind = value.type
-        if isinstance(kind, torch._C.OptionalType):
-            kind = kind.getElementType()
-        if isinstance(kind, torch._C.ListType):
-            kind = kind.getElementType()
-        if not isinstance(kind, torch._C.TensorType):
-            return False
-    return bool(schema.returns)
-
-
-def boundary_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective-checkpoint policy of a recomputed stage (``torch.utils.checkpoint``'s
-    ``create_selective_checkpoint_contexts``): the aten ops of its kept boundary nodes are
-    saved, every other op runs again in the backward. Torch calls it for each op of the
-    forward and replays its choices in the recomputation by the op's position."""
-    if KeptRegion.inside and _keepable(op):
+def boundary_policy(region: KeptRegion, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpoint policy of a recomputed stage, with its ``region`` bound
+    (``functools.partial``; torch's ``create_selective_checkpoint_contexts``): the aten ops
+    of its kept nodes are saved where :func:`~lightning_remat.graph.ops.keepable`, every
+    other op runs again in the backward. Torch calls it for each op of the forward and
+    replays its choices in the recomputation by the op's position."""
+    if region.inside and keepable(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -557,19 +439,28 @@ class CompiledStages:
 
 
 def compile_stages(
-    graph: fx.Graph, plan: Plan, owner: nn.Module, charge: dict[str, str] | None = None
+    graph: fx.Graph, plan: Plan, owner: nn.Module, schedule: Schedule,
+    charge: dict[str, str] | None = None,
 ) -> CompiledStages:
     """The stage programs of ``graph`` (a traced forward; ``plan``'s vertex ids are its node
-    names, or ``charge`` maps node names to vertex ids) run by ``owner``. ``graph`` itself is
-    not changed."""
+    names, or ``charge`` maps node names to vertex ids) run by ``owner``, doing what
+    ``schedule`` (``plan`` compiled on the vertex graph, ``solvers.schedule``) says: its
+    in-place ops rewritten out of place, its kept values kept. ``graph`` itself is not
+    changed."""
     if not plan.stages:
         raise ValueError("the plan has no stages")
+    if len(schedule.stages) != len(plan.stages):
+        raise ValueError(f"the schedule has {len(schedule.stages)} stages, the plan {len(plan.stages)}")
     stage = _assign_stages(graph, plan, charge)
     graph = _copy_graph(graph)
-    actions = [s.action for s in plan.stages]
     rewritten: list[str] = []
-    if len(plan.stages) > 1:
-        rewritten = _functionalize_crossing_inplace(graph, stage, actions, owner)
-    programs, output = _build_programs(graph, stage, plan, owner)
+    if schedule.rewritten:
+        rewritten = _functionalize_inplace(graph, stage, set(schedule.rewritten), owner)
+    members: list[list[fx.Node]] = [[] for _ in plan.stages]
+    for node in graph.nodes:
+        if node.name in stage:
+            members[stage[node.name]].append(node)
+    kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept)
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
     return CompiledStages(programs, output, placeholders, rewritten)

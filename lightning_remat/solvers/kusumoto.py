@@ -80,11 +80,11 @@ from typing import Any
 import numpy as np
 
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.ops import random_vertices
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.schedule import data_edges
 from lightning_remat.solvers.simulate import (
-    RANDOM_OPS,
     SharedSteps,
-    data_edges,
     make_plan,
     model_margin,
     stage_cost,
@@ -148,7 +148,7 @@ def _graph_bits(graph: Graph) -> _GraphBits:
     pred_bits = [0] * len(ids)
     for u, v in graph.edges:  # every edge orders its ends
         pred_bits[index[v]] |= 1 << index[u]
-    # Only edges a value flows through make a boundary or hold memory (simulate.data_edges).
+    # Only edges a value flows through make a boundary or hold memory (schedule.data_edges).
     src, dst = [], []
     for u, v in data_edges(graph):
         src.append(index[u])
@@ -157,6 +157,7 @@ def _graph_bits(graph: Graph) -> _GraphBits:
     costs = vertex_costs(graph)
     shared = SharedSteps(graph)
     readers, inplace = shared.succ, shared.inplace
+    random = random_vertices(graph)
     outputs = set(graph.meta.outputs if graph.meta.outputs is not None else ids[-1:])
     # What a kept value holds: its storage (a view's base's).
     size = np.array([costs.storage[v] for v in ids], dtype=np.int64)
@@ -175,7 +176,7 @@ def _graph_bits(graph: Graph) -> _GraphBits:
         size=size,
         allocated=allocated,
         extra=extra,
-        keepable_time=np.array([0.0 if n.op in RANDOM_OPS else float(n.t_fwd) for n in graph.nodes]),
+        keepable_time=np.array([0.0 if n.id in random else float(n.t_fwd) for n in graph.nodes]),
         output=np.array([v in outputs for v in ids], dtype=bool),
         gradients=np.array([costs.gradients[v] for v in ids], dtype=np.int64),
         view=np.array([v in costs.views for v in ids], dtype=bool),

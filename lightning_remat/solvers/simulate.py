@@ -38,14 +38,14 @@ Plans (see ``solvers/plan.py``): stages run in order in the forward and in rever
 backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoint`` with a
 selective policy that keeps its boundary (docs/design.md section 5): in the forward its ops
 save nothing (its internal values die when forward-dead, their extra saved bytes exist only
-during the op) except its kept boundary values (:func:`kept_boundary`: the values later
+during the op) except its kept boundary values (the schedule's ``kept``: the values later
 stages or the output read, less random and unrewritten in-place ops), which stay with their
 ops' extra saved bytes until the recomputation; it keeps its inputs (values of earlier
 stages it reads) until its backward has finished. When its backward starts, the rest of its
-forward runs again (phase ``recompute``, :func:`recomputed_vertices`: values and saved
+forward runs again (phase ``recompute``, the schedule's ``recomputed``: values and saved
 blocks allocated, values nobody saved freed when dead), the kept values are handed on to
 the recomputed ops that read them, and then it is back-propagated. In-place ops the
-executor rewrites (:func:`rewritten_inplace`) own their storage. ``whole_stages=True``
+executor rewrites (the schedule's ``rewritten``) own their storage. ``whole_stages=True``
 models the tracing fallback instead, which runs a recomputed stage again whole.
 
 The peak is also a fold over stages (:func:`stage_costs`), the form Kusumoto et al.'s DP
@@ -72,149 +72,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS, VIEW_OPS
 from lightning_remat.solvers.plan import Plan, Stage, boundary
-
-VIEW_OPS = frozenset({
-    "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
-    "t", "getitem", "narrow", "select", "split", "chunk", "unbind", "view_as", "expand",
-    "Flatten", "Unflatten", "Identity", "detach", "contiguous",
-})
-"""Op names whose output shares its input's storage (``contiguous`` is a no-op on the
-contiguous tensors a traced forward usually passes it)."""
-
-GRAD_PASSTHROUGH_OPS = frozenset({
-    "add", "iadd", "__add__", "__iadd__", "view", "reshape", "flatten", "unflatten", "squeeze",
-    "unsqueeze", "transpose", "permute", "t", "view_as", "Flatten", "Unflatten", "Identity",
-    "contiguous", "cat", "concat", "concatenate", "stack", "hstack", "vstack",
-})
-"""Op names whose backward passes the incoming gradient on without a new buffer. For a
-concatenation each input's gradient is a slice of the output's (autograd narrows it), so
-the whole buffer lives until the last slice is consumed: a U-Net's skip connection holds
-its decoder level's full gradient until the encoder's backward."""
-
-RANDOM_OPS = frozenset({
-    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
-    "bernoulli", "multinomial", "normal", "RReLU", "rrelu",
-})
-"""Op names that draw random numbers. A recomputed stage's boundary value made by one is
-recomputed, not kept (the executor replays the stage's random draws in order,
-docs/design.md section 5)."""
-
-INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
-"""Composite ops whose backward runs as several autograd nodes with an internal gradient
-between them as large as what they save besides their inputs: ``cross_entropy`` is
-``nll_loss(log_softmax(x))``; NLL's backward makes the gradient of the log-probabilities
-(the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
-``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)
-this internal gradient is the op's backward workspace."""
-
-
-def data_edges(graph: Graph) -> list[tuple[str, str]]:
-    """The edges through which a value flows: all but ``meta.shape_edges``. A consumer that
-    reads only its input's shape (``x.view(q.size(0), ...)``) holds none of its storage, is
-    no reason to keep it at a stage boundary (the executor reads the size in the
-    producer's stage, ``runtime.stages``) and hands it no gradient; the edge still orders
-    the two."""
-    shape = {(u, v) for u, v in graph.meta.shape_edges or ()}
-    return [(u, v) for u, v in graph.edges if (u, v) not in shape]
+from lightning_remat.solvers.schedule import Schedule, ScheduleParts, data_edges, make_schedule
 
 
 def _adjacency(graph: Graph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """Successors and predecessors along :func:`data_edges`, in the graph's order."""
+    """Successors and predecessors along :func:`~lightning_remat.solvers.schedule.data_edges`,
+    in the graph's order."""
     succ: dict[str, list[str]] = {v: [] for v in graph.ids}
     pred: dict[str, list[str]] = {v: [] for v in graph.ids}
     for u, v in data_edges(graph):
         succ[u].append(v)
         pred[v].append(u)
     return succ, pred
-
-
-def _inplace_operand(graph: Graph, v: str) -> str | None:
-    """The vertex whose storage the in-place op ``v`` modifies (None: not an in-place op,
-    or it modifies an input): its latest predecessor in the storage ``meta.aliases`` names."""
-    aliases = graph.meta.aliases or {}
-    root = aliases.get(v)
-    if root is None or graph[v].op in VIEW_OPS:
-        return None
-    same = [u for u in graph.predecessors(v) if u == root or aliases.get(u) == root]
-    return max(same, key=graph.position) if same else None
-
-
-def rewritten_inplace(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> set[str]:
-    """The in-place ops the executor runs out of place (or on a clone) under ``plan``, so
-    that they own their storage: ``runtime.stages._functionalize_crossing_inplace`` on the
-    vertex graph. Op ``v`` on operand ``t`` is rewritten when they are in different stages
-    and either is recomputed, when another recomputed stage reads ``t``, or when ``v`` is
-    recomputed and its result (or ``t``, in its own stage) crosses the stage boundary."""
-    stage_of = plan.stage_of()
-    return _rewritten(graph, plan, stage_of, *_graph_parts(graph, succ))
-
-
-def _graph_parts(graph: Graph, succ: dict[str, list[str]] | None,
-                 ) -> tuple[dict[str, list[str]], dict[str, str], set[str]]:
-    """Successors along data edges, each in-place op's operand, and the model outputs (what
-    :class:`SharedSteps` keeps for many plans)."""
-    inplace = {v: t for v in graph.ids if (t := _inplace_operand(graph, v)) is not None}
-    outputs = set(graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:])
-    return succ if succ is not None else _adjacency(graph)[0], inplace, outputs
-
-
-def _rewritten(graph: Graph, plan: Plan, stage_of: dict[str, int], succ: dict[str, list[str]],
-               inplace: dict[str, str], outputs: set[str]) -> set[str]:
-    recomputed = [st.action == "recompute" for st in plan.stages]
-
-    def crosses(x: str) -> bool:
-        return x in outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
-
-    rewritten: set[str] = set()
-    for v, t in inplace.items():
-        s, st = stage_of[v], stage_of[t]
-        if ((st != s and (recomputed[s] or recomputed[st]))
-                or any(w != v and stage_of[w] != s and recomputed[stage_of[w]] for w in succ[t])
-                or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
-            rewritten.add(v)
-    return rewritten
-
-
-def kept_boundary(graph: Graph, plan: Plan, succ: dict[str, list[str]] | None = None) -> list[set[str]]:
-    """Per stage, the vertices whose values a recomputed stage keeps from its forward and
-    does not run again (empty for other stages): its boundary ``B(Li)`` and the model
-    outputs it makes, except random ops (``RANDOM_OPS``) and in-place ops it does not
-    rewrite (docs/design.md section 5). A value whose only reader in a later stage reads its
-    shape is not kept (:func:`data_edges`)."""
-    stage_of = plan.stage_of()
-    parts = _graph_parts(graph, succ)
-    return _kept(graph, plan, stage_of, _rewritten(graph, plan, stage_of, *parts), *parts)
-
-
-def _kept(graph: Graph, plan: Plan, stage_of: dict[str, int], rewritten: set[str],
-          succ: dict[str, list[str]], inplace: dict[str, str], outputs: set[str]) -> list[set[str]]:
-    kept: list[set[str]] = []
-    for k, stage in enumerate(plan.stages):
-        if stage.action != "recompute":
-            kept.append(set())
-            continue
-        kept.append({
-            v for v in stage.nodes
-            if (v in outputs or any(stage_of[w] != k for w in succ[v]))
-            and graph[v].op not in RANDOM_OPS
-            and (v in rewritten or v not in inplace)
-        })
-    return kept
-
-
-def recomputed_vertices(graph: Graph, plan: Plan) -> list[list[str]]:
-    """Per stage, the vertices the executor runs again in the backward, in forward order:
-    for a recomputed stage ``Vi`` less its kept boundary (Kusumoto et al.'s
-    ``Vi \\ B(Li)``), nothing for other stages."""
-    kept = kept_boundary(graph, plan)
-    return [
-        [v for v in sorted(stage.nodes, key=graph.position) if v not in kept[k]]
-        if stage.action == "recompute" else []
-        for k, stage in enumerate(plan.stages)
-    ]
 
 
 @dataclass(slots=True)
@@ -310,7 +181,7 @@ class VertexCosts:
     """Bytes of the gradients of the op's parameters."""
     views: set[str] = field(default_factory=set)
     """Vertices whose output is a view of another vertex's storage: they allocate nothing
-    under any plan (an in-place op may get a storage of its own, ``rewritten_inplace``)."""
+    under any plan (an in-place op may get a storage of its own, ``Schedule.rewritten``)."""
     storage: dict[str, int] = field(default_factory=dict)
     """Bytes of the storage each vertex's output lives in: its base's for a view (a kept
     slice holds the whole tensor it was cut from)."""
@@ -322,7 +193,7 @@ def vertex_costs(graph: Graph) -> VertexCosts:
     if graph.ids:
         sim.run()
     gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
-    views = {v for v in graph.ids if sim.base[v] != v and _inplace_operand(graph, v) is None}
+    views = {v for v in graph.ids if sim.base[v] != v and v not in sim.shared.inplace}
     storage = {v: max(sim.size[sim.base[v]], sim.size[v]) if v in views else sim.size[v] for v in graph.ids}
     return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes), views, storage)
 
@@ -386,7 +257,8 @@ class SharedSteps:
         self.position = {v: k for k, v in enumerate(graph.ids)}
         self.succ, self.pred = _adjacency(graph)
         self.vertices: dict[frozenset[str], dict[str, Any]] = {}
-        _, self.inplace, self.outputs = _graph_parts(graph, self.succ)
+        self.parts = ScheduleParts.of(graph, self.succ)
+        self.inplace, self.outputs = self.parts.inplace, self.parts.outputs
         self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
         self.prefixes: dict[tuple, dict[str, Any]] = {}  # _StepSimulation.forward_state
 
@@ -441,14 +313,17 @@ def stage_cost(graph: Graph, plan: Plan, k: int, shared: SharedSteps | None = No
     return StageCost(peak - sum(sim.kept_bytes[:k]), sim.kept_bytes[k])
 
 
-def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False) -> Timeline:
+def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False,
+             schedule: Schedule | None = None) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
-    keep-everything plan when None): a forward, the loss, ``loss.backward()``.
-    ``whole_stages``: a recomputed stage runs again whole, its boundary included (the
-    tracing fallback's executor, ``runtime.hooked``), instead of keeping its boundary."""
+    keep-everything plan when None): a forward, the loss, ``loss.backward()``, following
+    ``schedule`` (default: :func:`~lightning_remat.solvers.schedule.make_schedule` of the
+    plan, as the executor runs it). ``whole_stages``: a recomputed stage runs again whole,
+    its boundary included (the tracing fallback's executor, ``runtime.hooked``), instead of
+    keeping its boundary."""
     if not graph.ids:
         return Timeline()
-    return _StepSimulation(graph, plan, whole_stages).run()
+    return _StepSimulation(graph, plan, whole_stages, schedule=schedule).run()
 
 
 class _StepSimulation:
@@ -463,26 +338,18 @@ class _StepSimulation:
     gradients."""
 
     def __init__(self, graph: Graph, plan: Plan | None, whole_stages: bool = False,
-                 shared: SharedSteps | None = None) -> None:
-        ids = graph.ids
+                 shared: SharedSteps | None = None, schedule: Schedule | None = None) -> None:
         shared = shared if shared is not None else SharedSteps(graph)
         if plan is None:
-            self.stages: list[list[str]] = [ids]
-            self.actions = ["keep"]
-            self.kept: list[set[str]] = [set()]
-            self.own_storage: set[str] = set()
-        else:
-            position = shared.position.__getitem__
-            self.stages = [sorted(s.nodes, key=position) for s in plan.stages]
-            self.actions = [s.action for s in plan.stages]
+            plan = Plan([Stage(graph.ids, "keep")], [], 0, 0.0, "plain", True)
+        if schedule is None:
+            schedule = make_schedule(graph, plan, whole_stages=whole_stages, parts=shared.parts)
+        self.schedule = schedule
+        self.stages: list[list[str]] = [list(s.vertices) for s in schedule.stages]
+        self.actions = [s.action for s in schedule.stages]
+        self.kept: list[frozenset[str]] = schedule.kept
+        self.own_storage: frozenset[str] = schedule.rewritten
         self.stage_of = {v: k for k, stage in enumerate(self.stages) for v in stage}
-        if plan is not None:
-            if whole_stages:
-                self.kept, self.own_storage = [set() for _ in plan.stages], set()
-            else:
-                parts = (shared.succ, shared.inplace, shared.outputs)
-                self.own_storage = _rewritten(graph, plan, self.stage_of, *parts)
-                self.kept = _kept(graph, plan, self.stage_of, self.own_storage, *parts)
         self.shared = shared
         self.node, self.succ, self.pred = shared.node, shared.succ, shared.pred
         prepared = shared.vertices.get(frozenset(self.own_storage))
@@ -512,8 +379,6 @@ class _StepSimulation:
         self.grad_of: dict[str, object] = {}  # the gradient storage of each value, until consumed
         self.fresh = 0  # serial number of gradient storages
         self.forward_done = 0  # stages whose forward has run (resume_forward)
-
-    _FORWARD_STATE = ("held", "closure", "kept_held", "kept_bytes", "_kept_storages", "offloaded")
 
     def forward_state(self) -> dict[str, Any]:
         """A copy of what the forward of the stages run so far left (no events): the same
@@ -596,7 +461,8 @@ class _StepSimulation:
                       for v in ids}
         # Outputs that are views of the step's inputs or parameters allocate nothing.
         resident_views = set(meta.resident_views or ())
-        self.size = {v: 0 if v in resident_views else self.node[v].mem for v in ids}
+        self.size = {v: 0 if v in resident_views and v not in self.own_storage else self.node[v].mem
+                     for v in ids}
         self.fwd_refs = self._forward_refs(ids)
 
     def _storage_bases(self, ids: list[str], aliases: dict[str, str],
@@ -788,8 +654,11 @@ class _StepSimulation:
         for v in stage:
             if base[v] != v and stage_of[base[v]] == k and v not in kept:
                 re_refs[base[v]] += re_refs[v] + 1
+        # A value recomputed in the stage lives in a new storage, unless it is a view of a
+        # kept value: then it is a view of the kept storage.
         rkey: dict[str, object] = {
-            v: (("rval", base[v]) if stage_of[base[v]] == k and v not in kept else self._val(v))
+            v: (("rval", base[v]) if stage_of[base[v]] == k and v not in kept and base[v] not in kept
+                else self._val(v))
             for v in stage
         }
         for v in stage:
@@ -953,7 +822,7 @@ def make_plan(
     """A Plan with its derived fields filled in: stages ordered topologically inside,
     ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
     predicted peak and margin, the recomputation time (default: the forward time of what
-    the executor runs again, :func:`recomputed_vertices`) and ``feasible`` (predicted peak
+    the executor runs again, ``Schedule.recomputed``) and ``feasible`` (predicted peak
     plus margin within the budget; True without a budget). ``whole_stages``: as
     :func:`simulate`'s."""
     stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
@@ -973,12 +842,10 @@ def make_plan(
         notes=list(notes or []),
     )
     plan.validate(graph)
+    schedule = make_schedule(graph, plan, whole_stages=whole_stages)
     if extra_seconds is None:
-        plan.predicted_extra_seconds = (
-            float(sum(graph.total("t_fwd", s.nodes) for s in stage_list if s.action == "recompute"))
-            if whole_stages else recomputed_seconds(graph, plan)
-        ) + executor_seconds(graph, plan)
-    plan.predicted_peak_bytes = simulate(graph, plan, whole_stages=whole_stages).peak_bytes
+        plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
+    plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
     plan.margin_bytes = model_margin(graph)
     plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
     return plan
@@ -1011,10 +878,10 @@ def model_margin(graph: Graph) -> int:
     return SMALL_TENSOR_BYTES * n
 
 
-def recomputed_seconds(graph: Graph, plan: Plan) -> float:
-    """The forward time of what the executor recomputes (:func:`recomputed_vertices`):
+def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
+    """The forward time of what the executor recomputes (``Schedule.recomputed``):
     Kusumoto et al.'s eq. 1 for the plan's stages."""
-    return float(sum(graph.total("t_fwd", vs) for vs in recomputed_vertices(graph, plan)))
+    return float(sum(graph.total("t_fwd", vs) for vs in schedule.recomputed))
 
 
 def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
@@ -1025,11 +892,12 @@ def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
     return float(meta.recompute_stage_seconds or 0.0) + n_vertices * float(meta.recompute_vertex_seconds or 0.0)
 
 
-def executor_seconds(graph: Graph, plan: Plan) -> float:
-    """The executor's own time under ``plan``: :func:`stage_overhead_seconds` for each
+def executor_seconds(graph: Graph, schedule: Schedule) -> float:
+    """The executor's own time under a schedule: :func:`stage_overhead_seconds` for each
     recomputed stage (each runs under checkpoint and its selective policy, even one whose
     vertices are all kept)."""
-    return sum(stage_overhead_seconds(graph, len(s.nodes)) for s in plan.stages if s.action == "recompute")
+    return sum(stage_overhead_seconds(graph, len(s.vertices)) for s in schedule.stages
+               if s.action == "recompute")
 
 
 def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:

@@ -1,0 +1,177 @@
+"""What kind of op a vertex, an fx node or an aten op is, decided in one place.
+
+The schedule (``solvers.schedule``), the simulator and the executor (``runtime.stages``)
+all ask here, so they cannot disagree on what an op is:
+
+- **random**: an aten op carrying torch's ``nondeterministic_seeded`` tag draws random
+  numbers. The tracer runs each fx node once, noting the vertices that dispatched such an
+  op (``meta.random``); a graph without that record (one
+  written by hand, or an older profile) falls back to the op names in :data:`RANDOM_OPS`.
+- **in place**: an fx node that writes the tensor of its first argument
+  (:func:`mutated_operand`: a module called with ``inplace=True``, an ``inplace=True``
+  keyword, a ``+=``, a method or function whose name ends in one underscore, aten's naming
+  of in-place variants). The tracer records each one with the vertex it writes
+  (``meta.inplace``); without that record the profiler's storage aliases stand in
+  (:func:`inplace_operands`).
+- **keepable** (an aten op whose outputs a recomputation may take from the forward): from
+  its schema, it returns tensors and no alias of an input, and it is not random.
+- **views** and **gradient pass-through** by op name, for the simulator's storage and
+  gradient model of graphs that carry no profiled aliases.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any
+
+from lightning_remat.graph.ir import Graph
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+    from torch import nn
+
+__all__ = [
+    "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
+    "draws_random", "inplace_operands", "keepable", "mutated_operand", "random_vertices",
+]
+# torch is imported where an op is looked at, not here: the solvers and the command line
+# read graphs without loading torch.
+
+VIEW_OPS = frozenset({
+    "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
+    "t", "getitem", "narrow", "select", "split", "chunk", "unbind", "view_as", "expand",
+    "Flatten", "Unflatten", "Identity", "detach", "contiguous",
+})
+"""Op names whose output shares its input's storage (``contiguous`` is a no-op on the
+contiguous tensors a traced forward usually passes it)."""
+
+GRAD_PASSTHROUGH_OPS = frozenset({
+    "add", "iadd", "__add__", "__iadd__", "view", "reshape", "flatten", "unflatten", "squeeze",
+    "unsqueeze", "transpose", "permute", "t", "view_as", "Flatten", "Unflatten", "Identity",
+    "contiguous", "cat", "concat", "concatenate", "stack", "hstack", "vstack",
+})
+"""Op names whose backward passes the incoming gradient on without a new buffer. For a
+concatenation each input's gradient is a slice of the output's (autograd narrows it), so
+the whole buffer lives until the last slice is consumed: a U-Net's skip connection holds
+its decoder level's full gradient until the encoder's backward."""
+
+RANDOM_OPS = frozenset({
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "RReLU", "rrelu",
+})
+"""Op names that draw random numbers: the fallback for graphs without ``meta.random``."""
+
+INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
+"""Composite ops whose backward runs as several autograd nodes with an internal gradient
+between them as large as what they save besides their inputs: ``cross_entropy`` is
+``nll_loss(log_softmax(x))``; NLL's backward makes the gradient of the log-probabilities
+(the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
+``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)
+this internal gradient is the op's backward workspace."""
+
+
+# ---- aten ops: torch's tags and schemas ---------------------------------------------------
+def draws_random(op: Any) -> bool:
+    """Whether an aten op draws random numbers (torch's ``nondeterministic_seeded`` tag)."""
+    import torch
+
+    return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+
+
+_KEEPABLE: dict[Any, bool] = {}
+
+
+def keepable(op: Any) -> bool:
+    """Whether an aten op's outputs can be kept from the forward for a recomputation: not
+    an in-place op or a view (its schema's returns alias an input: an in-place op's result
+    must be the tensor it modified in the recomputation too, and a kept view holds its
+    base's whole storage, which may be a value the plan recomputes), not random (a kept
+    random op draws nothing in the recomputation, which would shift every later draw of the
+    stage), and only ops that return tensors (a profiler range opened inside a kept node has
+    nothing to keep)."""
+    known = _KEEPABLE.get(op)
+    if known is None:
+        aliases = any(r.alias_info is not None for r in op._schema.returns)
+        known = _KEEPABLE[op] = _returns_tensors(op._schema) and not (aliases or draws_random(op))
+    return known
+
+
+def _returns_tensors(schema: Any) -> bool:
+    """Whether every return of an op schema is a tensor (or an optional or a list of them)."""
+    import torch
+
+    for value in schema.returns:
+        kind = value.type
+        if isinstance(kind, torch._C.OptionalType):
+            kind = kind.getElementType()
+        if isinstance(kind, torch._C.ListType):
+            kind = kind.getElementType()
+        if not isinstance(kind, torch._C.TensorType):
+            return False
+    return bool(schema.returns)
+
+
+# ---- fx nodes -----------------------------------------------------------------------------
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+}
+
+
+def mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
+    """The node whose tensor ``node`` modifies in place, or None (``owner``: the module the
+    node's ``call_module`` targets live in)."""
+    import torch.fx as fx
+
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    first = node.args[0]
+    if node.op == "call_module":
+        try:
+            module = owner.get_submodule(str(node.target))
+        except AttributeError:
+            return None
+        return first if getattr(module, "inplace", False) is True else None
+    if node.op == "call_function":
+        if node.kwargs.get("inplace") is True or node.target in _INPLACE_OPERATORS:
+            return first
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_"):
+            return first
+        return None
+    if node.op == "call_method":
+        name = str(node.target)
+        if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
+            return first
+    return None
+
+
+# ---- vertices of a graph ------------------------------------------------------------------
+def random_vertices(graph: Graph) -> set[str]:
+    """The vertices whose op draws random numbers: as the tracer recorded them, or by op
+    name for a graph without that record."""
+    if graph.meta.random is not None:
+        return set(graph.meta.random)
+    return {v for v in graph.ids if graph[v].op in RANDOM_OPS}
+
+
+def inplace_operands(graph: Graph) -> dict[str, str | None]:
+    """Each in-place op's vertex and the vertex whose value it writes (None: a step input).
+    From the tracer's record; a graph without it takes the profiler's storage aliases: an
+    op sharing the storage of an earlier vertex that it reads, and not a view."""
+    recorded = graph.meta.inplace
+    if recorded is not None:
+        return {v: (t if t in graph else None) for v, t in recorded.items() if v in graph}
+    aliases = graph.meta.aliases or {}
+    found: dict[str, str | None] = {}
+    for v in graph.ids:
+        root = aliases.get(v)
+        if root is None or graph[v].op in VIEW_OPS:
+            continue
+        same = [u for u in graph.predecessors(v) if u == root or aliases.get(u) == root]
+        if same:
+            found[v] = max(same, key=graph.position)
+    return found

@@ -1,0 +1,239 @@
+"""A plan compiled once into what each stage does: the schedule both the simulator
+(``solvers.simulate``) and the executor (``runtime.stages``) follow.
+
+A :class:`Plan` says which vertices form a stage and the stage's action. What that means
+op by op is decided here, once, on the vertex graph (docs/design.md section 5):
+
+- **rewritten**: the in-place ops that must run out of place (or on a clone) so that a
+  recomputation starts from the unmodified value and a kept value stays as the forward
+  made it. Op ``v`` writing ``t`` is rewritten when they are in different stages and either
+  is recomputed; when another stage reads ``t`` and is recomputed or runs on the other side
+  of ``v`` (a reader before ``v`` in program order placed in a later stage, or after it in
+  an earlier one); when ``v`` is recomputed and its result, or ``t`` in its own stage,
+  crosses the stage boundary; and when ``t`` is a step input that ``v``'s recomputed stage,
+  or another recomputed stage that reads the inputs, would see modified.
+- **kept**: a recomputed stage's boundary values (Kusumoto et al.'s ``B(Li)``) and the model
+  outputs it makes, kept from the forward and not run again, except random ops (a kept
+  random op draws nothing in the recomputation, which would shift the stage's later draws)
+  and in-place ops left in place (their result is the tensor they modified).
+- **recomputed**: the rest of a recomputed stage, ``Vi \\ B(Li)``, run again in the
+  backward in forward order.
+- **offloaded**: an offloaded stage's saved state leaves the device when its forward ends
+  and comes back when its backward starts.
+- A recomputed stage none of whose ops saves anything for the backward (adds,
+  concatenations, views, scalings, as the profile measured them) runs as kept: torch's
+  non-reentrant checkpoint recomputes a stage when the backward first unpacks what it
+  saved, so such a stage never runs again, and without saved state, kept and recomputed
+  hold the same memory.
+
+Op kinds (random, in place) come from ``graph.ops``. Checkmate (Jain et al., "Checkmate:
+Breaking the Memory Wall with Optimal Tensor Rematerialization", 2020) compiles its
+solution into one linear schedule that its executor replays the same way; :meth:`Schedule.steps`
+is that sequence here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.ops import inplace_operands, random_vertices
+from lightning_remat.solvers.plan import Plan
+
+__all__ = ["Schedule", "ScheduleParts", "StageSchedule", "Step", "data_edges", "make_schedule"]
+
+
+def data_edges(graph: Graph) -> list[tuple[str, str]]:
+    """The edges through which a value flows: all but ``meta.shape_edges``. A consumer that
+    reads only its input's shape (``x.view(q.size(0), ...)``) holds none of its storage, is
+    no reason to keep it at a stage boundary (the executor reads the size in the
+    producer's stage) and hands it no gradient; the edge still orders the two."""
+    shape = {(u, v) for u, v in graph.meta.shape_edges or ()}
+    return [(u, v) for u, v in graph.edges if (u, v) not in shape]
+
+
+@dataclass(frozen=True)
+class ScheduleParts:
+    """What every schedule of one graph reads, computed once per graph (solvers that
+    score many plans of it share one)."""
+
+    succ: dict[str, list[str]]
+    """Successors along :func:`data_edges`, in the graph's order."""
+    inplace: dict[str, str | None]
+    """In-place op -> the vertex it writes (None: a step input), ``graph.ops``."""
+    random: frozenset[str]
+    """Vertices whose op draws random numbers, ``graph.ops``."""
+    outputs: frozenset[str]
+    """The model's outputs."""
+    input_readers: frozenset[str]
+    """Vertices that read the step's inputs."""
+    position: dict[str, int]
+    saving: frozenset[str]
+    """Vertices whose op saves something for the backward (all, where the graph does not
+    say: no profile)."""
+
+    @classmethod
+    def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
+        if succ is None:
+            succ = {v: [] for v in graph.ids}
+            for u, v in data_edges(graph):
+                succ[u].append(v)
+        outputs = graph.meta.outputs if graph.meta.outputs is not None else graph.ids[-1:]
+        meta = graph.meta
+        if meta.saved_refs is None:
+            saving = frozenset(graph.ids)
+        else:
+            requires = meta.requires_grad or {}
+            saving = frozenset(
+                v for v in graph.ids
+                if requires.get(v, True) and (graph[v].saved > 0 or meta.saved_refs.get(v)))
+        return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
+                   frozenset(outputs), frozenset(meta.input_consumers or ()),
+                   {v: k for k, v in enumerate(graph.ids)}, saving)
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """What one stage of a plan does."""
+
+    action: str
+    """``keep``, ``recompute`` or ``offload``."""
+    vertices: tuple[str, ...]
+    """The stage's vertices in forward order."""
+    kept: frozenset[str] = frozenset()
+    """For a recomputed stage: the values kept from the forward, not run again."""
+    recomputed: tuple[str, ...] = ()
+    """For a recomputed stage: the vertices run again in the backward, in forward order."""
+    rewritten: frozenset[str] = frozenset()
+    """The stage's in-place ops that run out of place."""
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the stage's saved state leaves the device between its forward and backward."""
+        return self.action == "offload"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the linear schedule: ``phase`` is ``forward``, ``offload`` (a stage's
+    saved state leaves), ``loss``, ``recompute``, ``hand_on`` (a kept value handed to the
+    recomputation), ``restore`` (offloaded state back) or ``backward``."""
+
+    phase: str
+    stage: int
+    vertex: str | None = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A plan compiled for one graph: per stage what is kept, recomputed, rewritten and
+    offloaded (see the module docstring)."""
+
+    stages: tuple[StageSchedule, ...]
+    whole_stages: bool = False
+    """A recomputed stage runs again whole, its boundary included (the tracing fallback's
+    executor, ``runtime.hooked``): nothing is kept or rewritten."""
+
+    @property
+    def rewritten(self) -> frozenset[str]:
+        """Every in-place op that runs out of place."""
+        return frozenset().union(*(s.rewritten for s in self.stages))
+
+    @property
+    def kept(self) -> list[frozenset[str]]:
+        """Per stage, the values kept from the forward (empty but for recomputed stages)."""
+        return [s.kept for s in self.stages]
+
+    @property
+    def recomputed(self) -> list[tuple[str, ...]]:
+        """Per stage, the vertices run again in the backward (empty but for recomputed stages)."""
+        return [s.recomputed for s in self.stages]
+
+    def steps(self) -> Iterator[Step]:
+        """The step as one sequence: each stage's forward (an offloaded stage's state
+        leaving at its end), the loss, then in reverse each stage's recomputation (kept
+        values handed on where they stand) or restore, and its backward."""
+        for k, stage in enumerate(self.stages):
+            for v in stage.vertices:
+                yield Step("forward", k, v)
+            if stage.offloaded:
+                yield Step("offload", k)
+        yield Step("loss", len(self.stages) - 1)
+        for k in range(len(self.stages) - 1, -1, -1):
+            stage = self.stages[k]
+            if stage.action == "recompute":
+                for v in stage.vertices:
+                    yield Step("hand_on" if v in stage.kept else "recompute", k, v)
+            elif stage.offloaded:
+                yield Step("restore", k)
+            for v in reversed(stage.vertices):
+                yield Step("backward", k, v)
+
+
+def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
+                  parts: ScheduleParts | None = None) -> Schedule:
+    """``plan`` compiled for ``graph`` (``parts``: :meth:`ScheduleParts.of` the graph,
+    shared between many plans)."""
+    parts = parts if parts is not None else ScheduleParts.of(graph)
+    position = parts.position
+    unknown = [v for s in plan.stages for v in s.nodes if v not in position]
+    if unknown:
+        raise ValueError(f"the plan names vertices the graph does not have: {unknown[:8]}; "
+                         "plan and graph must come from the same trace")
+    ordered = [tuple(sorted(s.nodes, key=position.__getitem__)) for s in plan.stages]
+    actions = [("keep" if s.action == "recompute" and not any(v in parts.saving for v in vs)
+                else s.action) for s, vs in zip(plan.stages, ordered)]
+    if whole_stages:
+        return Schedule(tuple(
+            StageSchedule(a, vs, recomputed=vs if a == "recompute" else ())
+            for a, vs in zip(actions, ordered)), whole_stages=True)
+    stage_of = {v: k for k, vs in enumerate(ordered) for v in vs}
+    rewritten = _rewritten(parts, stage_of, actions)
+    stages = []
+    for k, vertices in enumerate(ordered):
+        if actions[k] != "recompute":
+            stages.append(StageSchedule(actions[k], vertices,
+                                        rewritten=frozenset(v for v in vertices if v in rewritten)))
+            continue
+        kept = frozenset(
+            v for v in vertices
+            if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
+            and v not in parts.random
+            and (v in rewritten or v not in parts.inplace)
+        )
+        stages.append(StageSchedule(
+            "recompute", vertices, kept, tuple(v for v in vertices if v not in kept),
+            frozenset(v for v in vertices if v in rewritten)))
+    return Schedule(tuple(stages))
+
+
+def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str]) -> set[str]:
+    """The in-place ops that run out of place under a plan (the module docstring's rule)."""
+    if not parts.inplace:
+        return set()
+    recomputed = [a == "recompute" for a in actions]
+    succ, position = parts.succ, parts.position
+
+    def crosses(x: str) -> bool:
+        return x in parts.outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
+
+    rewritten: set[str] = set()
+    for v, t in parts.inplace.items():
+        s = stage_of[v]
+        if t is None:  # a step input: a recomputation must read it unmodified
+            if recomputed[s] or any(
+                    w != v and stage_of[w] != s
+                    and (recomputed[stage_of[w]] or (position[w] < position[v]) != (stage_of[w] < s))
+                    for w in parts.input_readers):
+                rewritten.add(v)
+            continue
+        st = stage_of[t]
+        if ((st != s and (recomputed[s] or recomputed[st]))
+                or any(w != v and stage_of[w] != s
+                       and (recomputed[stage_of[w]]
+                            or (position[w] < position[v]) != (stage_of[w] < s))
+                       for w in succ[t])
+                or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
+            rewritten.add(v)
+    return rewritten

@@ -1,0 +1,291 @@
+"""One schedule: the simulator and the executor follow the same compiled plan, op for op.
+
+Generated models mix the parts real models use (Linear, LayerNorm, GELU, in-place ReLU, ``mul_``
+and ``add_`` on fresh values, dropout, views, a tuple producer, skips, an in-place op on
+the step's input); random plans cut them into kept and recomputed stages. For each:
+
+- the aten ops the executor runs again in the backward are, in order, those of the
+  schedule's ``recomputed`` vertices and the unkeepable ops of its ``kept`` ones;
+- the simulator's events are :meth:`Schedule.steps`, vertex for vertex;
+- gradients and the step's outputs equal the plain module's.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_remat.device import preserved_state
+from lightning_remat.graph.ops import keepable
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.trace import trace_module
+from lightning_remat.runtime.module import apply_plan
+from lightning_remat.solvers.plan import Stage
+from lightning_remat.solvers.schedule import Schedule, make_schedule
+from lightning_remat.solvers.simulate import make_plan, simulate
+
+WIDTH, BATCH = 8, 4
+BINARY = ("iadd", "skip")
+KINDS = ("linear", "norm", "gelu", "relu_", "iadd", "mul_", "dropout", "view", "skip", "chunk")
+
+
+class Generated(nn.Module):
+    """A forward built from a recipe of ops over earlier values (fx unrolls the loop)."""
+
+    def __init__(self, seed: int, length: int = 14) -> None:
+        super().__init__()
+        rng = random.Random(seed)
+        self.recipe: list[tuple[str, int, int]] = []
+        self.linears = nn.ModuleList()
+        self.norms = nn.ModuleList()
+        self.relu = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.25)
+        self.input_inplace = rng.random() < 0.5
+        for k in range(length):
+            kind = rng.choice(KINDS) if k else "linear"
+            a, b = rng.randrange(k + 1), rng.randrange(k + 1)
+            if kind == "linear":
+                self.linears.append(nn.Linear(WIDTH, WIDTH))
+            if kind == "norm":
+                self.norms.append(nn.LayerNorm(WIDTH))
+            self.recipe.append((kind, a, b))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_inplace:
+            x.mul_(1.0)  # an in-place op on the step's input (which needs no gradient)
+        values = [x]
+        linears, norms = iter(self.linears), iter(self.norms)
+        for kind, a, b in self.recipe:
+            u, w = values[a], values[b]
+            if kind == "linear":
+                out = next(linears)(u)
+            elif kind == "norm":
+                out = next(norms)(u)
+            elif kind == "gelu":
+                out = F.gelu(u)
+            elif kind == "relu_":  # in place on a fresh value, as a ResNet's bn -> relu
+                out = self.relu(u * 1.5)
+            elif kind == "iadd":  # later readers of ``out`` read what add_ wrote into it
+                out = u * 0.5
+                out.add_(w)
+            elif kind == "mul_":
+                out = (u + 1.0).mul_(0.5)
+            elif kind == "dropout":
+                out = self.drop(u)
+            elif kind == "view":
+                out = u.view(BATCH, 2, WIDTH // 2).transpose(1, 2).flatten(1)
+            elif kind == "skip":
+                out = u + w
+            else:  # a tuple producer and its parts
+                first, second = u.chunk(2, dim=1)
+                out = torch.cat([second, first], dim=1)
+            values.append(out)
+        # Every value reaches the loss: torch's checkpoint recomputes a stage when the
+        # backward first needs what it saved, which a value off the gradient's path never is.
+        read = {i for kind, a, b in self.recipe for i in ((a, b) if kind in BINARY else (a,))}
+        rest = [v for i, v in enumerate(values[1:-1], start=1) if i not in read]
+        return values[-1], sum(rest, torch.zeros_like(values[-1]))
+
+
+def random_plan(graph: Any, seed: int) -> Any:
+    rng = random.Random(seed)
+    ids = graph.ids
+    cuts = sorted(rng.sample(range(1, len(ids)), k=min(len(ids) - 1, rng.randint(1, 4))))
+    bounds = [0, *cuts, len(ids)]
+    actions = [rng.choice(["keep", "recompute", "recompute"]) for _ in bounds[1:]]
+    return make_plan(graph, [Stage(ids[a:b], act) for a, b, act in zip(bounds, bounds[1:], actions)],
+                     "test-random")
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it, by name (in-place and out-of-place forms alike: the
+    executor runs the in-place ops the schedule rewrites out of place, or on a clone)."""
+
+    def __init__(self, only_recomputation: bool = False) -> None:
+        super().__init__()
+        self.only_recomputation = only_recomputation
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # A recomputation runs inside the backward with grad mode on; the backward's own
+        # ops run with it off.
+        recomputing = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+        if not self.only_recomputation or recomputing:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _name(op: Any) -> str:
+    return op._schema.name.rstrip("_")
+
+
+def _names(ops: list[Any]) -> list[str]:
+    return [_name(op) for op in ops if _name(op) != "aten::clone"]
+
+
+def ops_per_vertex(traced: Any, x: torch.Tensor, model: nn.Module) -> dict[str, list[Any]]:
+    """Each vertex's aten ops in a plain forward, node by node (a tuple producer's with the
+    vertex the trace charges it to)."""
+    per_vertex: dict[str, list[Any]] = {}
+
+    class ByNode(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            with _Ops() as ops:
+                value = super().run_node(n)
+            vertex = traced.charge.get(n.name)
+            if vertex is not None:
+                per_vertex.setdefault(vertex, []).extend(ops.ops)
+            return value
+
+    with preserved_state(model), torch.no_grad():
+        ByNode(traced.runner).run(x.clone())
+    return per_vertex
+
+
+def expected_recomputation(schedule: Schedule, per_vertex: dict[str, list[Any]]) -> list[Any]:
+    """What the backward runs again, in order: each recomputed stage (last first), its
+    recomputed vertices' ops and its kept vertices' unkeepable ones (a rewritten in-place
+    op runs in its out-of-place form, which is keepable)."""
+    expected: list[Any] = []
+    for stage in reversed(schedule.stages):
+        if stage.action != "recompute":
+            continue
+        for v in stage.vertices:
+            ops = per_vertex.get(v, [])
+            if v in stage.kept:
+                ops = [op for op in ops if not (keepable(op) or (v in stage.rewritten and _writes(op)))]
+            expected.extend(ops)
+    return expected
+
+
+def _writes(op: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+_SETUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _setup(seed: int) -> tuple[nn.Module, torch.Tensor, Any, Any, Any, Schedule]:
+    """A generated model, its input, its trace, its profiled graph, a random plan on it
+    and the plan's schedule (the trace and profile are made once per seed)."""
+    torch.manual_seed(seed)
+    model = Generated(seed)
+    x = torch.randn(BATCH, WIDTH)
+    if seed not in _SETUPS:
+        traced = trace_module(model, (x.clone(),))
+        _SETUPS[seed] = traced, profile_module(model, x.clone(), traced=traced, warmup=0, repeats=1)
+    traced, graph = _SETUPS[seed]
+    plan = random_plan(graph, seed)
+    return model, x, traced, graph, plan, make_schedule(graph, plan)
+
+
+SEEDS = list(range(int(__import__("os").environ.get("SCHEDULE_SEEDS", "16"))))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_executor_runs_again_exactly_what_the_schedule_recomputes(seed: int) -> None:
+    model, x, traced, graph, plan, schedule = _setup(seed)
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    expected = _names(expected_recomputation(schedule, ops_per_vertex(traced, x, model)))
+
+    with preserved_state(model):
+        # Torch's early stop ends a recomputation once the last tensor it must give back
+        # is made, which drops a suffix of the schedule: off, the whole schedule runs.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            out = remat_model(x.clone())
+            loss = out[0].square().sum() + out[1].sum()
+            with _Ops(only_recomputation=True) as seen:
+                loss.backward()
+    assert _names(seen.ops) == expected
+
+    # As users run it (early stop on): nothing runs again that the schedule does not say.
+    with preserved_state(model):
+        out = remat_model(x.clone())
+        loss = out[0].square().sum() + out[1].sum()
+        with _Ops(only_recomputation=True) as seen_default:
+            loss.backward()
+    remaining = list(expected)
+    for name in _names(seen_default.ops):
+        assert name in remaining, f"{name} ran again but the schedule does not recompute it"
+        remaining.remove(name)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_simulator_steps_through_the_schedule(seed: int) -> None:
+    _, _, _, graph, plan, schedule = _setup(seed)
+    steps = [("recompute" if s.phase == "hand_on" else s.phase, s.vertex, s.stage)
+             for s in schedule.steps() if s.vertex is not None]
+    events = [(e.phase, e.node, e.stage) for e in simulate(graph, plan).events]
+    restores = [e for e in events if e[0] == "restore"]
+    assert not restores
+    assert events == steps
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_scheduled_step_trains_as_plain(seed: int) -> None:
+    model, x, traced, graph, plan, _ = _setup(seed)
+    plain = Generated(seed)
+    plain.load_state_dict(model.state_dict())
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        a = plain(x.clone())
+        torch.manual_seed(100 + step)
+        b = remat_model(x.clone())
+        for got, want in zip(b, a):
+            assert torch.equal(got, want)
+        (a[0].square().sum() + a[1].sum()).backward()
+        (b[0].square().sum() + b[1].sum()).backward()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_the_schedule_is_the_plan_compiled_once() -> None:
+    """Kept values are boundary values, never random or left-in-place ops; what is kept is
+    not recomputed; an in-place op on a recomputed stage's input is rewritten."""
+    for seed in SEEDS:
+        _, _, _, graph, plan, schedule = _setup(seed)
+        stage_of = plan.stage_of()
+        random_ops = set(graph.meta.random or ())
+        inplace = graph.meta.inplace or {}
+        for k, stage in enumerate(schedule.stages):
+            assert set(stage.kept).isdisjoint(stage.recomputed)
+            if stage.action != "recompute":
+                assert not stage.kept and not stage.recomputed
+                continue
+            assert any(graph[v].saved for v in stage.vertices)  # else it runs as kept
+            assert set(stage.kept) | set(stage.recomputed) == set(stage.vertices)
+            for v in stage.kept:
+                assert v not in random_ops
+                assert v not in inplace or v in stage.rewritten
+                readers = graph.successors(v)
+                assert v in (graph.meta.outputs or ()) or any(stage_of[w] != k for w in readers)
+            for v, t in inplace.items():
+                if stage_of[v] == k and (t in stage.vertices) != (v in stage.vertices):
+                    assert v in schedule.rewritten
+
+
+def test_random_and_inplace_ops_are_read_from_torch() -> None:
+    """The trace records dropout (an aten op tagged nondeterministic_seeded) as random and the
+    in-place ops with the value each writes."""
+    torch.manual_seed(0)
+    model = Generated(3)
+    x = torch.randn(BATCH, WIDTH)
+    traced = trace_module(model, (x,))
+    graph = traced.graph
+    dropouts = {v for v in graph.ids if graph[v].op == "Dropout"}
+    assert set(graph.meta.random or ()) == dropouts
+    writes = graph.meta.inplace or {}
+    for v, operand in writes.items():
+        assert graph[v].op in {"ReLU", "add_", "mul_"}
+        assert operand in graph.predecessors(v) or operand not in graph
+    recipe_inplace = sum(kind in {"relu_", "iadd", "mul_"} for kind, _, _ in model.recipe)
+    assert len(writes) == recipe_inplace + model.input_inplace
