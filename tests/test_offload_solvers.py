@@ -15,8 +15,6 @@ from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers import get_solver, min_budget
 from lightning_remat.solvers.beaumont import (
     Chain,
-    _discretize,
-    _dynprog_core,
     articulation_stages,
     chain_from_graph,
     dynprog_offload,
@@ -28,6 +26,7 @@ from lightning_remat.solvers.beaumont import (
     simulate_schedule,
     vdnn_offload,
 )
+from lightning_remat.solvers.beaumont.dynprog import _discretize, _dynprog_core
 
 DATA = Path(__file__).parent / "data"
 
