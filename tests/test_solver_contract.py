@@ -142,29 +142,9 @@ def test_every_solver_keeps_the_contract(solver: str, spec: tuple[str, int, int]
     check_contract(solver, generated(*spec))
 
 
-KNOWN_BREACHES = {
-    ("dynprog", ("unet", 24, 4)): (
-        "Beaumont et al.'s chain model (chain_from_graph) counts less than the simulator on a "
-        "step with several outputs (the U-Net prefix's skip connections leave it: the chain's "
-        "plain peak is 75.5 MB, the simulator's 88.6 MB), so near the plain peak DYNPROG "
-        "offloads nothing and its plan does not fit, while a smaller budget, where it "
-        "offloads, does"),
-}
-"""(solver, graph) pairs that break the contract, each with why: a strict xfail, so a fix shows."""
-
-
-def _slow_cases() -> list:
-    cases = []
-    for solver in sorted(SOLVERS):
-        for spec in SLOW_GRAPHS:
-            why = KNOWN_BREACHES.get((solver, spec))
-            marks = [pytest.mark.xfail(raises=RematInfeasibleError, strict=True, reason=why)] if why else []
-            cases.append(pytest.param(solver, spec, marks=marks, id=f"{solver}-{spec[0]}{spec[1]}-seed{spec[2]}"))
-    return cases
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("solver", "spec"), _slow_cases())
+@pytest.mark.parametrize("spec", SLOW_GRAPHS, ids=lambda s: f"{s[0]}{s[1]}-seed{s[2]}")
+@pytest.mark.parametrize("solver", sorted(SOLVERS))
 def test_every_solver_keeps_the_contract_on_larger_graphs(solver: str, spec: tuple[str, int, int]) -> None:
     check_contract(solver, generated(*spec))
 

@@ -182,9 +182,36 @@ def chain_from_graph(
             transient += graph[stage_ids[k - 1][-1]].mem  # the input F_k reads
         ex_F.append(float(max(graph[v].ws_fwd for v in s) + transient))
         ex_B.append(float(max(graph[v].ws_bwd for v in s) + sum(graph[v].mem for v in inner)))
+    _add_other_outputs(graph, stage_ids, kept_values, ex_F, ex_B)
     chain = Chain(u_F, u_B, x, y, ex_F, ex_B, M_GPU=float(M_GPU or math.inf), beta=bandwidth,
                   stages=stage_ids)
     return chain
+
+
+def _add_other_outputs(graph: Graph, stage_ids: list[list[str]], kept_values: set[str],
+                       ex_F: list[float], ex_B: list[float]) -> None:
+    """The paper's chain has one output, the last op's. A step's other outputs (a skip
+    connection leaving the traced part, an auxiliary head) are held by the loss until the
+    backward starts and their gradients from then until their own op's backward, as the
+    simulator counts them: each is transient memory of the ops in between, in ``ex_F`` (its
+    value, unless a stage keeps it) and ``ex_B`` (its gradient, shared out as the simulator
+    does where the loss's gradients were measured). Upper bounds, like the rest of ``ex``."""
+    meta = graph.meta
+    last = graph.ids[-1]
+    outputs = [o for o in dict.fromkeys(meta.outputs or [last]) if o in graph]
+    sizes = sum(graph[o].mem for o in outputs)
+    share = (1.0 if meta.output_grad_bytes is None or not sizes
+             else min(meta.output_grad_bytes / sizes, 1.0))
+    requires = meta.requires_grad or {}
+    stage_of = {nid: k for k, stage in enumerate(stage_ids) for nid in stage}
+    for o in outputs:
+        if o == last:
+            continue
+        for j in range(stage_of[o] + 1, len(stage_ids)):
+            if o not in kept_values:
+                ex_F[j] += graph[o].mem
+            if requires.get(o, True):
+                ex_B[j] += graph[o].mem * share
 
 
 # =============================================================================================
