@@ -176,10 +176,6 @@ def grads_resident(module: nn.Module) -> bool:
     return bool(training) and all(p.grad is not None for p in training)
 
 
-OFFLOADING_SOLVERS = frozenset({"greedy", "dynprog", "vdnn", "lower-bound"})
-"""Solvers whose plans move saved tensors to host memory."""
-
-
 def has_host_memory(device: torch.device) -> bool:
     """Whether ``device`` has a memory apart from the host's, so offloading frees some."""
     return torch.device(device).type == "cuda"
@@ -188,12 +184,14 @@ def has_host_memory(device: torch.device) -> bool:
 def check_solver_for_device(solver: str, device: torch.device) -> None:
     """Refuse an offloading solver where offloading frees nothing (the CPU: "offloaded"
     bytes stay in the same RAM, and the copies only add time and memory)."""
-    if solver in OFFLOADING_SOLVERS and not has_host_memory(device):
+    entry = SOLVERS.get(solver)
+    if entry is not None and entry.offloads and not has_host_memory(device):
+        recomputing = sorted(name for name, other in SOLVERS.items() if not other.offloads)
         raise ValueError(
             f"solver={solver!r} offloads saved tensors to host memory, but the model is on "
             f"{torch.device(device).type}, whose memory is the host's: offloading frees nothing "
-            "there. Choose a recomputation solver (auto, kusumoto-tc, kusumoto-mc, feng, "
-            "hong-linear, chen), or train on a CUDA device"
+            f"there. Choose a recomputation solver ({', '.join(recomputing)}), or train on a "
+            "CUDA device"
         )
 
 

@@ -381,9 +381,10 @@ def test_the_upper_bound_holds_on_a_profiled_gpt_whose_views_share_storage():
     simulator, and its smallest budget is at least the simulator's."""
     from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import kusumoto
+    from lightning_remat.solvers.kusumoto.bits import ancestor_sets, graph_bits
 
     graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
-    bound = kusumoto.LowerSetFamily(kusumoto._graph_bits(graph), kusumoto._ancestor_sets(kusumoto._graph_bits(graph)))
+    bound = kusumoto.LowerSetFamily(graph_bits(graph), ancestor_sets(graph_bits(graph)))
     assert not bound.simulated
     least = bound.min_budget()
     plain = plain_peak_bytes(graph)
@@ -406,11 +407,12 @@ def test_the_sets_left_out_of_the_approximate_family_lose_nothing(profile):
     resolution (times are bucketed by T / time_steps, one bucket per stage)."""
     from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import kusumoto
+    from lightning_remat.solvers.kusumoto.bits import ancestor_sets, approximate_sets, graph_bits
 
     graph = Graph.load(Path(__file__).parent / "data" / profile)
-    bits = kusumoto._graph_bits(graph)
-    whole = kusumoto.LowerSetFamily(bits, kusumoto._ancestor_sets(bits), simulated=True)
-    pruned = kusumoto.LowerSetFamily(bits, kusumoto._approximate_sets(bits), simulated=True)
+    bits = graph_bits(graph)
+    whole = kusumoto.LowerSetFamily(bits, ancestor_sets(bits), simulated=True)
+    pruned = kusumoto.LowerSetFamily(bits, approximate_sets(bits), simulated=True)
     assert pruned.size < 0.8 * whole.size
     assert pruned.min_budget() == whole.min_budget()
     plain = plain_peak_bytes(graph)

@@ -12,11 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_remat.graph.ir import Graph, Node
-from lightning_remat.solvers import get_solver, min_budget
+from lightning_remat.solvers import get_solver, min_budget, plain_plan
 from lightning_remat.solvers.beaumont import (
     Chain,
-    _discretize,
-    _dynprog_core,
     articulation_stages,
     chain_from_graph,
     dynprog_offload,
@@ -28,6 +26,7 @@ from lightning_remat.solvers.beaumont import (
     simulate_schedule,
     vdnn_offload,
 )
+from lightning_remat.solvers.beaumont.dynprog import _discretize, _dynprog_core
 
 DATA = Path(__file__).parent / "data"
 
@@ -188,6 +187,32 @@ def test_chain_needs_a_bandwidth():
     assert chain_from_graph(residual_graph(None), bandwidth=5.0).beta == 5.0
     with pytest.raises(ValueError, match="cover every vertex"):
         chain_from_graph(residual_graph(), stages=[["a"], ["b"]])
+
+
+def two_output_step() -> Graph:
+    """A stem, a skip connection that leaves the step (a second output, as a U-Net's does
+    when only its encoder is traced) and a head."""
+    nodes = [Node("stem", "Conv2d", mem=400, t_fwd=1e-3, t_bwd=2e-3),
+             Node("skip", "ReLU", mem=400, saved=400, t_fwd=1e-4, t_bwd=1e-4),
+             Node("down", "Conv2d", mem=100, saved=400, t_fwd=1e-3, t_bwd=2e-3),
+             Node("head", "Linear", mem=50, saved=100, t_fwd=1e-3, t_bwd=2e-3)]
+    edges = [("stem", "skip"), ("skip", "down"), ("down", "head")]
+    return Graph(nodes, edges, {
+        "outputs": ["skip", "head"], "aliases": {}, "bandwidth_bytes_per_s": 1e9,
+        "saved_refs": {"stem": [], "skip": ["skip"], "down": ["skip"], "head": ["down"]}})
+
+
+def test_the_chain_counts_every_output_of_the_step():
+    """The other outputs' values (held by the loss) and gradients (from the backward's start
+    to their own op's) are in the chain's memory: its plain peak is at least the simulator's,
+    so an offloading plan the chain accepts is not one the simulator finds over the budget.
+    Counting the last output alone, the chain's peak was 1200 bytes to the simulator's 1300,
+    and near the plain peak DYNPROG kept everything and missed a budget a smaller one met."""
+    graph = two_output_step()
+    assert peak_memory(chain_from_graph(graph)) >= plain_plan(graph).predicted_peak_bytes
+    least = min_budget(graph, "dynprog")
+    for budget in (least, plain_plan(graph).guaranteed_peak_bytes):
+        assert get_solver("dynprog")(graph, budget).guaranteed_peak_bytes <= budget
 
 
 def test_chain_from_plan_stages():

@@ -22,7 +22,7 @@ from lightning_remat import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.planner import remat
 from lightning_remat.runtime.module import RematModule
-from lightning_remat.solvers import SOLVERS, get_solver, min_budget
+from lightning_remat.solvers import SOLVERS, SolverEntry, get_solver, min_budget
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import simulate
 from tests.models import TinyLM, residual_cnn, tiny_lm
@@ -46,7 +46,8 @@ def solve_fewest_segments(graph: Graph, budget_bytes: int | None, **_: Any) -> P
 
 @pytest.fixture(autouse=True)
 def segments_solver(monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setitem(SOLVERS, "test-segments", solve_fewest_segments)
+    monkeypatch.setitem(SOLVERS, "test-segments", SolverEntry(
+        solve_fewest_segments, None, offloads=False, paper=None, summary="the fewest segments that fit"))
     return "test-segments"
 
 
@@ -366,7 +367,7 @@ def test_project_auto_solver_when_available() -> None:
     train_side_by_side(model, remat_model, plain, batches)
 
 
-@pytest.mark.parametrize("solver", ["dynprog", "greedy", "vdnn"])
+@pytest.mark.parametrize("solver", sorted(name for name, entry in SOLVERS.items() if entry.offloads))
 def test_offloading_on_the_cpu_is_refused_before_any_profiling(solver) -> None:
     model = residual_cnn()
     with pytest.raises(ValueError, match="offloading frees nothing"):

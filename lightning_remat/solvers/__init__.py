@@ -3,11 +3,18 @@
 Every solver has the signature ``solver(graph, budget_bytes, **options) -> Plan``; a budget
 of ``None`` means no limit. A solver that cannot meet the budget returns its best plan with
 ``feasible=False`` rather than raising, so callers can report how far off it was.
+
+:data:`SOLVERS` is the one registry: a :class:`SolverEntry` per name holding the solver,
+its own smallest-budget function, whether its plans offload, and the paper it implements.
+Adding a solver is adding an entry; the command line's choices, the error messages, the
+planner's device check and the solver contract test (tests/test_solver_contract.py) all read
+the registry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_remat.errors import RematInfeasibleError
@@ -17,54 +24,108 @@ from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.simulate import make_plan, plain_plan, simulate, solve_plain
 
 __all__ = [
-    "SOLVERS", "Plan", "Stage", "fits", "get_solver", "make_plan", "min_budget", "plain_plan",
-    "simulate", "solve",
+    "SOLVERS", "Paper", "Plan", "SolverEntry", "Stage", "fits", "get_solver", "make_plan",
+    "min_budget", "plain_plan", "simulate", "solve", "solver_entry",
 ]
 
 SolverFn = Callable[..., Plan]
+MinBudgetFn = Callable[..., int]
 
-SOLVERS: dict[str, SolverFn] = {
-    "plain": solve_plain,
-    "chen": chen.solve_chen_sqrt,
-    "chen-greedy": chen.solve_chen_greedy,
-    "feng": feng.solve_feng,
-    "hong-cubic": hong.solve_hong_cubic,
-    "hong-linear": hong.solve_hong_linear,
-    "kusumoto-tc": kusumoto.solve_approx_tc,
-    "kusumoto-mc": kusumoto.solve_approx_mc,
-    "kusumoto-exact-tc": kusumoto.solve_exact_tc,
-    "kusumoto-exact-mc": kusumoto.solve_exact_mc,
-    "lower-bound": beaumont.solve_lower_bound,
-    "greedy": beaumont.solve_greedy,
-    "dynprog": beaumont.solve_dynprog,
-    "vdnn": beaumont.solve_vdnn,
-    "auto": auto.solve_auto,
+
+@dataclass(frozen=True)
+class Paper:
+    """The publication a solver implements."""
+
+    authors: str
+    title: str
+    year: int | None
+    """``None`` where the paper as published carries no year."""
+    venue: str = ""
+
+    def __str__(self) -> str:
+        when = ", ".join(str(part) for part in (self.venue, self.year) if part)
+        return f'{self.authors}, "{self.title}"' + (f" ({when})" if when else "")
+
+
+@dataclass(frozen=True)
+class SolverEntry:
+    """One registered solver."""
+
+    solve: SolverFn
+    """``solve(graph, budget_bytes, **options) -> Plan``."""
+    min_budget: MinBudgetFn | None
+    """``min_budget(graph, **options) -> int``: the solver's own smallest budget, where its
+    paper gives one cheaper than a binary search; ``None``: :func:`min_budget` bisects."""
+    offloads: bool
+    """Whether its plans move saved tensors to host memory, so it needs a device with a
+    memory apart from the host's (and the graph's host-device bandwidth). ``auto`` is not
+    one: it offloads only where its ``allow_offload`` option lets it."""
+    paper: Paper | None
+    """What it implements; ``None`` for the baselines of this package's own."""
+    summary: str
+    """One line: what it does."""
+
+
+KUSUMOTO = Paper("Kusumoto, Inoue, Watanabe, Akiba and Koyama",
+                 "A Graph Theoretic Framework of Recomputation Algorithms for Memory-Efficient "
+                 "Backpropagation", 2019, "NeurIPS")
+FENG = Paper("Feng and Huang", "Optimal Gradient Checkpoint Search for Arbitrary Computation "
+             "Graphs", 2021, "CVPR")
+HONG = Paper("Hong, Tsai, Wang, Liu and Wu", "GPU Memory Usage Optimization for Backward "
+             "Propagation in Deep Network Training", None)
+CHEN = Paper("Chen, Xu, Zhang and Guestrin", "Training Deep Nets with Sublinear Memory Cost",
+             2016, "arXiv:1604.06174")
+BEAUMONT = Paper("Beaumont, Eyraud-Dubois and Shilova", "Optimal GPU-CPU Offloading Strategies "
+                 "for Deep Neural Network Training", 2020, "Euro-Par")
+
+SOLVERS: dict[str, SolverEntry] = {
+    "plain": SolverEntry(solve_plain, None, False, None,
+                         "keep everything: the plain step, the reference every plan is measured against"),
+    "chen": SolverEntry(chen.solve_chen_sqrt, None, False, CHEN,
+                        "about sqrt(n) segments of equal cost, each recomputed (section 4.1)"),
+    "chen-greedy": SolverEntry(chen.solve_chen_greedy, None, False, CHEN,
+                               "Memory Planning with Budget (Algorithm 3), its threshold on a grid"),
+    "feng": SolverEntry(feng.solve_feng, feng.min_budget_solve_feng, False, FENG,
+                        "the memory-optimal stored set of eq. 1 (Algorithms 1-5)"),
+    "hong-cubic": SolverEntry(hong.solve_hong_cubic, hong.min_budget_solve_hong_cubic, False, HONG,
+                              "checkpoint selection on the articulation chain (Algorithm 3, O(n^3))"),
+    "hong-linear": SolverEntry(hong.solve_hong_linear, hong.min_budget_solve_hong_linear, False, HONG,
+                               "dynamic checkpoint selection, PyTorch's model (Algorithm 6, O(n))"),
+    "kusumoto-tc": SolverEntry(kusumoto.solve_approx_tc, kusumoto.min_budget_solve_approx_tc, False,
+                               KUSUMOTO, "approximate DP over n + 2 lower sets, least extra time"),
+    "kusumoto-mc": SolverEntry(kusumoto.solve_approx_mc, kusumoto.min_budget_solve_approx_mc, False,
+                               KUSUMOTO, "approximate DP over n + 2 lower sets, memory-centric"),
+    "kusumoto-exact-tc": SolverEntry(kusumoto.solve_exact_tc, kusumoto.min_budget_solve_exact_tc,
+                                     False, KUSUMOTO, "exact DP over every lower set, least extra time"),
+    "kusumoto-exact-mc": SolverEntry(kusumoto.solve_exact_mc, kusumoto.min_budget_solve_exact_mc,
+                                     False, KUSUMOTO, "exact DP over every lower set, memory-centric"),
+    "lower-bound": SolverEntry(beaumont.solve_lower_bound, beaumont.min_budget_solve_lower_bound,
+                               True, BEAUMONT, "Proposition 3's bound on any offloading schedule, "
+                               "as a plan that keeps everything"),
+    "greedy": SolverEntry(beaumont.solve_greedy, beaumont.min_budget_solve_greedy, True, BEAUMONT,
+                          "GREEDY: offload the first activations (Theorem 2)"),
+    "dynprog": SolverEntry(beaumont.solve_dynprog, beaumont.min_budget_solve_dynprog, True, BEAUMONT,
+                           "DYNPROG: the optimal offloaded set on a discretised chain (Algorithm 1)"),
+    "vdnn": SolverEntry(beaumont.solve_vdnn, beaumont.min_budget_solve_vdnn, True, BEAUMONT,
+                        "the vDNN-style baseline of section 6.1"),
+    "auto": SolverEntry(auto.solve_auto, auto.min_budget_solve_auto, False, None,
+                        "kusumoto-tc, then kusumoto-mc, then dynprog offloading (docs/design.md "
+                        "section 4.6)"),
 }
 """Every solver by the name users give it."""
 
-# A solver's own smallest budget, where its paper gives one cheaper than a binary search.
-_OWN_MIN_BUDGET: dict[str, Callable[..., int]] = {
-    "feng": feng.min_budget_solve_feng,
-    "hong-cubic": hong.min_budget_solve_hong_cubic,
-    "hong-linear": hong.min_budget_solve_hong_linear,
-    "kusumoto-tc": kusumoto.min_budget_solve_approx_tc,
-    "kusumoto-mc": kusumoto.min_budget_solve_approx_mc,
-    "kusumoto-exact-tc": kusumoto.min_budget_solve_exact_tc,
-    "kusumoto-exact-mc": kusumoto.min_budget_solve_exact_mc,
-    "lower-bound": beaumont.min_budget_solve_lower_bound,
-    "greedy": beaumont.min_budget_solve_greedy,
-    "dynprog": beaumont.min_budget_solve_dynprog,
-    "vdnn": beaumont.min_budget_solve_vdnn,
-    "auto": auto.min_budget_solve_auto,
-}
 
-
-def get_solver(name: str) -> SolverFn:
-    """The solver function registered under ``name``."""
+def solver_entry(name: str) -> SolverEntry:
+    """The registry entry of ``name``."""
     try:
         return SOLVERS[name]
     except KeyError:
         raise ValueError(f"unknown solver {name!r}; choose one of {sorted(SOLVERS)}") from None
+
+
+def get_solver(name: str) -> SolverFn:
+    """The solver function registered under ``name``."""
+    return solver_entry(name).solve
 
 
 def fits(plan: Plan, budget_bytes: int | None) -> bool:
@@ -90,8 +151,8 @@ def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
     search over bytes (feasibility is monotone in the budget for the solvers here). Where a
     solver has its own smallest budget, its answer is taken when the plan there fits, and is
     otherwise a lower bound for the search."""
-    fn = get_solver(solver)
-    own = _OWN_MIN_BUDGET.get(solver)
+    entry = solver_entry(solver)
+    fn, own = entry.solve, entry.min_budget
     lo = 0  # infeasible (no step fits in zero bytes unless the graph is empty)
     if own is not None:
         claimed = int(own(graph, **options))
