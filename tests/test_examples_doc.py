@@ -1,10 +1,14 @@
-"""The ``Examples::`` in the docstrings of the three calls a user starts from run as written
-(doctest), so the documentation cannot drift from the code."""
+"""The ``Examples::`` in the docstrings of the three calls a user starts from, and the
+README's examples, run as written, so the documentation cannot drift from the code."""
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import io
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +30,20 @@ def test_docstring_examples_run(name: str) -> None:
     for test in tests:
         runner.run(test, out=report.write)
     assert runner.failures == 0, f"{name}'s Examples:: no longer run as written:\n{report.getvalue()}"
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.mark.slow
+def test_readme_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ```python block of the README, in order and in one namespace (a later block uses
+    what an earlier one defined), runs as written; Lightning writes its logs under tmp_path."""
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert len(blocks) >= 3, "the README lost its remat(), strategy or batch-size example"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    for number, block in enumerate(blocks, 1):
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+    assert namespace["model"].batch_size == namespace["report"].batch_size
