@@ -34,7 +34,7 @@ bench: $(BENCH_BIN)/.installed
 	$(BENCH_BIN)/python benchmarks/run.py --quick
 
 # The equal-memory comparison at full size (ResNet-50, DenseNet-121, U-Net, GPT; every peer,
-# every solver at each peer's peak); its duration on 2 cores: README, "Reproduce".
+# every solver at each peer's peak); its duration on 2 cores: docs/benchmarks.md, "Reproduce".
 bench-equal-memory: $(BENCH_BIN)/.installed
 	$(BENCH_BIN)/python benchmarks/run.py --set equal-memory
 

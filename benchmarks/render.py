@@ -639,65 +639,79 @@ def _commits(records: list[dict[str, Any]]) -> str:
     return "commits " + "; ".join(f"{commit} ({', '.join(names)})" for commit, names in models.items())
 
 
+def _auto_budgets(records: list[dict[str, Any]]) -> list[str]:
+    """The budgets (``"50%"``, ...) at which some model measured ``remat auto``, smallest first."""
+    budgets = {m.rsplit(":", 1)[1] for r in records for m, row in r["rows"].items()
+               if m.startswith("remat:auto:") and m.endswith("%") and "peak_bytes" in row}
+    return sorted(budgets, key=lambda b: float(b.rstrip("%")))
+
+
+def _auto_cell(row: dict[str, Any] | None, plain: dict[str, Any]) -> str:
+    """``"0.50, 1.20x"`` (peak and time against plain), or the smallest budget a plan reaches."""
+    if row is None:
+        return ""
+    if "peak_bytes" in row:
+        return f"{row['peak_bytes'] / plain['peak_bytes']:.2f}, {time_ratio(row, plain):.2f}x"
+    if row.get("min_budget_bytes"):
+        return f"no plan; smallest {mib(row['min_budget_bytes'])} MiB"
+    return ""
+
+
 def summary(results: Path = RESULTS) -> str:
-    """The README's results block: per model of the newest GPU run if there is one, else of
-    the CPU runs, every measured row (peak and time against plain, gradient agreement) and
-    the largest batches, each linking to its section of RESULTS.md."""
+    """The README's results block, a few lines: of the newest GPU run if there is one, else of
+    the first CPU run in ``TAG_ORDER`` (the full set before ``--quick``), per model the plain
+    step's peak, ``remat auto``'s peak and step time against plain at each budget measured,
+    and the largest batch of plain training and of ``remat auto`` within plain's peak; then
+    how many ``remat`` rows trained exactly as plain, the equal-memory verdict and the worst
+    prediction errors. Every other row is in RESULTS.md, linked per model."""
     tags = [d for d in sorted(results.iterdir()) if d.is_dir()] if results.is_dir() else []
     tags.sort(key=lambda d: TAG_ORDER.index(d.name) if d.name in TAG_ORDER else 99)
-    lines: list[str] = []
-    for tag_dir in tags:
-        records = load(tag_dir)
-        if not records:
-            continue
-        first = records[0]
-        lines += [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, "
-                  f"{_commits(records)} ([RESULTS.md, {tag_dir.name}](benchmarks/RESULTS.md#{tag_dir.name})):", "",
-                  "| model | method | peak/plain | time/plain | grad diff | BN diff | largest batch |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        for record in records:
-            rows = record["rows"]
-            plain = rows.get("plain", {})
-            if "peak_bytes" not in plain:
-                continue
-            batches = record.get("largest_batch") or {}
-            link = f"[{record['model']}](benchmarks/RESULTS.md#{tag_dir.name}-{record['model']})"
-            for method, row in rows.items():
-                if "peak_bytes" not in row:
-                    continue
-                key = "remat:auto:cap" if method == _first_auto(rows) else method
-                best = (batches.get(key) or {}).get("batch")
-                largest = "" if best is None else str(best)
-                time_ratio = row["step_seconds"] / row.get("plain_step_seconds", plain["step_seconds"])
-                lines.append(f"| {link} | {method_label(method)} | {row['peak_bytes'] / plain['peak_bytes']:.2f} | "
-                             f"{time_ratio:.2f} | {row['grad_rel_diff']:.0e} | {row['norm_diff']:.0e} | {largest} |")
-        found = equal_memory_findings(records)
-        total = len(found["auto_wins"]) + len(found["auto_misses"])
-        if total:
-            lines += ["", f"At equal memory (each peer's measured peak as our budget): `remat auto` takes at "
-                      f"most the peer's time in {len(found['auto_wins'])} of {total} configurations "
-                      f"([details](benchmarks/RESULTS.md#{tag_dir.name}-at-equal-memory))."]
-        worst = worst_predictions(records)
-        if worst:
-            m, label, _, e = worst["worst_peak"]
-            m2, label2, _, e2 = worst["worst_extra"]
-            lines += ["", f"Predicted against measured, {worst['plans']} plans: peak within 3% for "
-                      f"{worst['peak_within']}, extra time within 5 points for {worst['extra_within']}; "
-                      f"worst peak error {e['peak_error_pct']:+.1f}% ({m}, {label}), worst extra-time "
-                      f"error {e2['extra_error_points']:+.0f} points ({m2}, {label2})."]
-        lines += [""]
-        if tag_dir.name == "cuda":
-            break  # the GPU figures are the ones a user's choice rests on
-    lines.append("*grad diff*: `max|g - g_plain| / max|g_plain|` after one step; *BN diff*: the largest "
-                 "difference in BatchNorm running statistics (`num_batches_tracked` included); "
-                 "*largest batch*: within the plain step's measured peak at the base batch, for "
-                 "`remat auto` with that peak as the budget (given once, on its first row). The plain "
-                 "row's *time/plain* compares plain steps with plain steps: it shows the timing noise.")
+    runs = [(d.name, records) for d in tags if (records := [r for r in load(d) if "peak_bytes" in
+                                                            r["rows"].get("plain", {})])]
+    if not runs:
+        return "No results yet: run `python benchmarks/run.py --quick`."
+    tag, records = runs[0]  # the GPU figures, where there are any, are the ones a user's choice rests on
+    first = records[0]
+    budgets = _auto_budgets(records)
+    lines = [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, "
+             f"{_commits(records)} ([RESULTS.md, {tag}](benchmarks/RESULTS.md#{tag})); "
+             "`remat auto` against plain training:", "",
+             "| model | plain peak | " + " | ".join(f"`auto` @{b}: peak, time" for b in budgets)
+             + " | largest batch: plain, `auto` |",
+             "|---|---:|" + "---:|" * len(budgets) + "---:|"]
+    exact = measured = 0
+    for record in records:
+        rows, plain = record["rows"], record["rows"]["plain"]
+        batches = record.get("largest_batch") or {}
+        largest = [(batches.get(key) or {}).get("batch") for key in ("plain", "remat:auto:cap")]
+        cells = [_auto_cell(rows.get(f"remat:auto:{b}"), plain) for b in budgets]
+        lines.append(f"| [{record['model']}](benchmarks/RESULTS.md#{tag}-{record['model']}) | "
+                     f"{mib(plain['peak_bytes'])} MiB | " + " | ".join(cells) + " | "
+                     + ", ".join("-" if b is None else str(b) for b in largest) + " |")
+        for method, row in rows.items():
+            if method.startswith("remat:") and "peak_bytes" in row:
+                measured += 1
+                exact += row["grad_rel_diff"] == 0 and row["norm_diff"] == 0
+    lines += ["", f"- Gradients and BatchNorm statistics equal to plain training's after one step (difference "
+              f"0) in {exact} of the {measured} measured `remat` rows."]
+    found = equal_memory_findings(records)
+    total = len(found["auto_wins"]) + len(found["auto_misses"])
+    if total:
+        lines += [f"- At equal memory (each peer's measured peak as our budget): `remat auto` takes at "
+                  f"most the peer's time in {len(found['auto_wins'])} of {total} configurations "
+                  f"([details](benchmarks/RESULTS.md#{tag}-at-equal-memory))."]
+    worst = worst_predictions(records)
+    if worst:
+        m, label, _, e = worst["worst_peak"]
+        m2, label2, _, e2 = worst["worst_extra"]
+        lines += [f"- Predicted against measured, {worst['plans']} plans: peak within 3% for "
+                  f"{worst['peak_within']}, extra time within 5 points for {worst['extra_within']}; "
+                  f"worst peak error {e['peak_error_pct']:+.1f}% ({m}, {label}), worst extra-time "
+                  f"error {e2['extra_error_points']:+.0f} points ({m2}, {label2})."]
+    lines += ["", "*peak, time*: the measured peak and step time over plain training's; *no plan*: the "
+              "budget is below the smallest any plan reaches; *largest batch*: within the plain step's "
+              "measured peak at the base batch, `remat auto` with that peak as its budget."]
     return "\n".join(lines)
-
-
-def _first_auto(rows: dict[str, Any]) -> str | None:
-    return next((m for m, r in rows.items() if m.startswith("remat:auto") and "peak_bytes" in r), None)
 
 
 def update_readme(readme: Path = README, results: Path = RESULTS) -> bool:

@@ -752,6 +752,22 @@ def remat(
     ``ValueError`` for a malformed budget and
     :class:`~lightning_remat.errors.RematInfeasibleError` (with the smallest feasible budget)
     when no plan fits.
+
+    Examples::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_remat import remat
+        >>> net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())])
+        >>> x = torch.randn(512, 32)
+        >>> model = remat(net, x, memory_budget="50%")  # or bytes: 2**20, "1MiB", "6GiB"
+        >>> model.plan.solver  # doctest: +ELLIPSIS
+        'auto:...'
+        >>> model.plan.guaranteed_peak_bytes <= model.budget_bytes
+        True
+        >>> model(x).sum().backward()  # the gradients land on net's own Parameters
+        >>> net[0].weight.grad.shape
+        torch.Size([32, 32])
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat() needs a torch.nn.Module, got {type(module).__name__}")

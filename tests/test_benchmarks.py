@@ -151,10 +151,44 @@ def test_readme_block_is_rewritten_from_the_results(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "stale" not in text and text.endswith(f"{render.README_END}\ntail\n")
     assert "commit abc1234567" in text
-    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | remat auto @50% | 0.49 | 1.30 | 0e+00 | 0e+00 | 20 |" in text
-    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | plain | 1.00 | 1.00 | 0e+00 | 0e+00 | 8 |" in text
+    # Per model: plain's peak, auto's peak and time against plain at each budget it reached
+    # (25% reached nothing anywhere: no column), the largest batch of each within plain's peak.
+    assert "| model | plain peak | `auto` @50%: peak, time | largest batch: plain, `auto` |" in text
+    assert "| [gpt](benchmarks/RESULTS.md#cpu-quick-gpt) | 100.0 MiB | 0.49, 1.30x | 8, 20 |" in text
+    assert "equal to plain training's after one step (difference 0) in 1 of the 1 measured `remat` rows" in text
+    assert len(text.splitlines()) < 20  # a summary: every other row is in RESULTS.md
     (tmp_path / "plain.md").write_text("no markers\n")
     assert not render.update_readme(tmp_path / "plain.md", tmp_path / "results")
+
+
+def test_readme_summary_names_the_smallest_budget_and_prefers_the_gpu_run(tmp_path: Path) -> None:
+    """A budget no plan reaches shows the smallest one that does; with a GPU run beside the
+    CPU runs, the summary is the GPU's alone (the figures a user's choice rests on)."""
+    mib = 2**20
+    gpt, unet = _record("gpt", "abc1234567"), _record("unet", "abc1234567")
+    gpt["rows"]["remat:auto:50%"]["grad_rel_diff"] = 1e-7
+    unet["rows"]["remat:auto:50%"] = {"skipped": "infeasible", "min_budget_bytes": 80 * mib}
+    (tmp_path / "results" / "cpu").mkdir(parents=True)
+    for record in (gpt, unet):
+        (tmp_path / "results" / "cpu" / f"{record['model']}.json").write_text(json.dumps(record))
+    text = render.summary(tmp_path / "results")
+    assert "| [unet](benchmarks/RESULTS.md#cpu-unet) | 100.0 MiB | no plan; smallest 80.0 MiB | 8, 20 |" in text
+    assert "in 0 of the 1 measured `remat` rows" in text
+    cuda = {**_record("unet", "def7654321"), "machine": "NVIDIA H100", "device": "cuda"}
+    (tmp_path / "results" / "cuda").mkdir()
+    (tmp_path / "results" / "cuda" / "unet.json").write_text(json.dumps(cuda))
+    text = render.summary(tmp_path / "results")
+    assert "Measured on NVIDIA H100" in text and "RESULTS.md#cuda-unet" in text
+    assert "abc1234567" not in text and "#cpu-gpt" not in text
+
+
+def test_the_readme_shows_the_results_files_figures() -> None:
+    """The README's results block is what render.py makes of benchmarks/results/ now: after
+    new measurements, ``python benchmarks/render.py`` rewrites it."""
+    text = render.README.read_text()
+    assert render.README_BEGIN in text and render.README_END in text
+    block = text.split(render.README_BEGIN, 1)[1].split(render.README_END, 1)[0]
+    assert block.strip() == render.summary().strip()
 
 
 def test_gpu_script_parses_and_refuses_without_a_gpu() -> None:

@@ -750,7 +750,47 @@ def find_max_batch_size(
     """Search without adding the callback yourself (as Lightning's ``Tuner.scale_batch_size``):
     runs ``trainer.fit`` up to ``on_fit_start``, searches, writes the largest feasible size to
     ``batch_arg_name`` and returns the report. ``finder_kwargs`` are
-    :class:`RematBatchSizeFinder`'s arguments."""
+    :class:`RematBatchSizeFinder`'s arguments.
+
+    Examples::
+
+        >>> import tempfile
+        >>> import pytorch_lightning as pl
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from lightning_remat import RematStrategy, find_max_batch_size
+        >>> class Regressor(pl.LightningModule):
+        ...     def __init__(self, batch_size=16):
+        ...         super().__init__()
+        ...         self.batch_size = batch_size  # the search writes the size it finds here
+        ...         self.net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())])
+        ...     def forward(self, x):
+        ...         return self.net(x)
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         return nn.functional.mse_loss(self(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.01)
+        ...     def train_dataloader(self):
+        ...         data = TensorDataset(torch.randn(1024, 32), torch.randn(1024, 32))
+        ...         return DataLoader(data, batch_size=self.batch_size)
+        >>> model = Regressor()
+        >>> with tempfile.TemporaryDirectory() as root:  # the search's SQLite study lives here
+        ...     trainer = pl.Trainer(strategy=RematStrategy(memory_budget="256KiB"),
+        ...                          accelerator="cpu", max_epochs=1, default_root_dir=root,
+        ...                          logger=False, enable_checkpointing=False,
+        ...                          enable_progress_bar=False, enable_model_summary=False)
+        ...     report = find_max_batch_size(trainer, model, init_val=16, max_val=1024,
+        ...                                  steps_per_trial=1, progress_bar=False)
+        >>> model.batch_size == report.batch_size
+        True
+        >>> report.batch_size >= report.plain.largest_feasible  # plain training's largest
+        True
+        >>> print(report.table())  # doctest: +ELLIPSIS
+        lightning-remat batch-size search: Regressor on cpu, budget 256.00 KiB
+        ...
+    """
     finder = RematBatchSizeFinder(**finder_kwargs)
     finder._early_exit = True
     trainer.callbacks = [finder, *trainer.callbacks]

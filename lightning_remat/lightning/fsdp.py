@@ -16,8 +16,8 @@ the planning of :class:`~lightning_remat.lightning.strategy.RematHooks` inside i
   broadcasts, every rank runs the same plan.
 
 Lightning's ``FSDPStrategy`` (FSDP1, ``FullyShardedDataParallel``) is not subclassed here:
-torch refuses FSDP1 on a machine without an accelerator, so no test could run it; see the
-README for what is supported where.
+torch refuses FSDP1 on a machine without an accelerator, so no test could run it; see
+docs/usage.md for what is supported where.
 """
 
 from __future__ import annotations

@@ -236,6 +236,38 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
         cache_dir: where plans are cached (default: ``<default_root_dir>/lightning_remat_cache``).
         safe_profile: profile op by op so profiling fits where a plain step would not.
         device: the device to train on (default: the Trainer's).
+
+    Examples::
+
+        >>> import tempfile
+        >>> import pytorch_lightning as pl
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from lightning_remat import RematStrategy
+        >>> class Regressor(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())])
+        ...     def forward(self, x):
+        ...         return self.net(x)
+        ...     def training_step(self, batch, batch_idx):
+        ...         x, y = batch
+        ...         return nn.functional.mse_loss(self(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.01)
+        >>> data = DataLoader(TensorDataset(torch.randn(1024, 32), torch.randn(1024, 32)), batch_size=512)
+        >>> strategy = RematStrategy(memory_budget="50%")  # Trainer(strategy="remat"): no budget
+        >>> with tempfile.TemporaryDirectory() as root:
+        ...     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_epochs=1,
+        ...                          default_root_dir=root, logger=False, enable_checkpointing=False,
+        ...                          enable_progress_bar=False, enable_model_summary=False)
+        ...     trainer.fit(Regressor(), data)
+        >>> (plan,) = strategy.plans.values()  # one input shape, one plan
+        >>> plan.solver  # doctest: +ELLIPSIS
+        'auto:...'
+        >>> plan.count("recompute") > 0
+        True
     """
 
     strategy_name = "remat"
