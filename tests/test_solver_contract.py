@@ -149,9 +149,6 @@ def test_every_solver_keeps_the_contract_on_larger_graphs(solver: str, spec: tup
     check_contract(solver, generated(*spec))
 
 
-@pytest.mark.xfail(raises=KeyError, strict=True, reason=(
-    "the simulator holds a saved value before it exists: torch.max(dim) saves its indices, "
-    "which the profiled graph has as the tuple's second getitem, after the first"))
 def test_a_tuple_producer_that_saves_a_later_part_is_planned() -> None:
     """``values, indices = x.max(dim)``: the profiler records the op at the first getitem
     (``values``), saving ``indices``, the second getitem, which comes after it."""

@@ -459,6 +459,17 @@ class _StepSimulation:
         saved_input = meta.saved_input_bytes or {}
         self.extra = {v: self._extra_saved(v, meta.saved_refs is not None, saved_input)
                       for v in ids}
+        # An op that returns several tensors is the vertex of its first part, and may save a
+        # later part (``torch.max(x, dim)`` saves its indices): that storage is held for it
+        # from when the part's vertex makes it.
+        position = self.shared.position
+        self.later_saves: dict[str, list[str]] = {}
+        for v in ids:
+            later = [r for r in self.saved_refs[v] if position[r] > position[v]]
+            if later:
+                self.saved_refs[v] = [r for r in self.saved_refs[v] if position[r] <= position[v]]
+                for r in later:
+                    self.later_saves.setdefault(r, []).append(v)
         # Outputs that are views of the step's inputs or parameters allocate nothing.
         resident_views = set(meta.resident_views or ())
         self.size = {v: 0 if v in resident_views and v not in self.own_storage else self.node[v].mem
@@ -568,6 +579,10 @@ class _StepSimulation:
         own = ("val", bv)
         if bv == v:
             mem.alloc(own, self.size[v], self.fwd_refs[v])
+            for saver in self.later_saves.get(v, ()):
+                if self.actions[self.stage_of[saver]] != "recompute":
+                    mem.hold(own)
+                    self.held[saver].append(own)
         transient = self.node[v].ws_fwd
         preds = self.pred[v]
         if self.actions[k] == "recompute":
@@ -674,6 +689,10 @@ class _StepSimulation:
         mine = rkey[v]
         if bv == v:
             mem.alloc(mine, self.size[v], re_refs[v])
+            for saver in self.later_saves.get(v, ()):
+                if self.stage_of[saver] == k:
+                    mem.hold(mine)
+                    self.held[saver].append(mine)
         self._save_for_backward(
             v, [rkey[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
         peak = mem.live + self.node[v].ws_fwd
