@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -21,6 +26,37 @@ def test_registered_by_name(tmp_path):
     trainer = pl.Trainer(strategy="remat", **trainer_kwargs(tmp_path))
     assert isinstance(trainer.strategy, RematStrategy)
     assert trainer.strategy.root_device == torch.device("cpu")
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+_IMPORT_ORDERS = {
+    "remat then lightning": "import lightning_remat\nimport pytorch_lightning as pl\n"
+                            "trainer = pl.Trainer(strategy='remat', accelerator='cpu', logger=False)\n"
+                            "print(type(trainer.strategy).__name__)",
+    "lightning then remat": "import pytorch_lightning as pl\nimport lightning_remat\n"
+                            "trainer = pl.Trainer(strategy='remat', accelerator='cpu', logger=False)\n"
+                            "print(type(trainer.strategy).__name__)",
+    "one name alone": "from lightning_remat import RematStrategy\nprint(RematStrategy.__name__)",
+    "both, then a name": "import lightning_remat, pytorch_lightning\n"
+                         "print(lightning_remat.RematFSDPStrategy.__name__)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_every_import_order_registers_the_strategies_in_a_fresh_interpreter(order):
+    # After the script, every name must be in Lightning's registry, whichever package came first.
+    code = _IMPORT_ORDERS[order] + (
+        "\nfrom pytorch_lightning.strategies import StrategyRegistry\n"
+        "print(sorted(n for n in StrategyRegistry if n.startswith('remat')))")
+    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd="/tmp", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "['remat', 'remat_ddp', 'remat_fsdp']"
+    assert lines[-2].startswith("Remat"), lines
 
 
 def test_remat_training_ends_with_the_same_weights_and_a_lower_peak(tmp_path):

@@ -10,7 +10,8 @@ skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; 
 adds Lightning's hooks, rank-zero logging and, under DDP, the ranks' agreement on new inputs.
 
 The classes are ``pytorch_lightning`` strategies (the package this project depends on);
-``import lightning_remat`` registers ``"remat"`` and ``"remat_ddp"`` in its registry.
+importing this module (``import lightning_remat`` does) registers ``"remat"`` and
+``"remat_ddp"`` in its ``StrategyRegistry``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
+from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, shapes_of
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
@@ -171,10 +173,6 @@ class RematHooks:
     @staticmethod
     def _add_dashboards(trainer: pl.Trainer) -> bool:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
-        # Imported here: importing memory_timeline imports pytorch_lightning, whose first import
-        # registers the strategies by importing this module (lightning_remat/__init__.py).
-        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
-
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False
         if not any(isinstance(cb, MemoryTimelineLogger) for cb in trainer.callbacks):
