@@ -1,3 +1,4 @@
+import inspect
 import os
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_remat  # noqa: F401  (registers the strategy)
-from lightning_remat.lightning.strategy import RematStrategy
+from lightning_remat.lightning.strategy import RematStrategy, forward_routed
 from lightning_remat.meter import peak_bytes
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
@@ -57,6 +58,28 @@ def test_every_import_order_registers_the_strategies_in_a_fresh_interpreter(orde
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == "['remat', 'remat_ddp', 'remat_fsdp']"
     assert lines[-2].startswith("Remat"), lines
+
+
+def test_forward_routed_nests_and_leaves_the_module_as_it_was():
+    net = torch.nn.Linear(3, 2)
+    x = torch.ones(1, 3)
+    with forward_routed(net, lambda inp: inp * 2):
+        assert inspect.signature(net.forward) == inspect.signature(torch.nn.Linear(3, 2).forward)
+        with forward_routed(net, lambda inp: inp * 3):
+            assert torch.equal(net(x), x * 3)
+        assert torch.equal(net(x), x * 2)  # the outer route is back
+    assert "forward" not in net.__dict__ and net(x).shape == (1, 2)
+    own = net.forward  # an instance-level forward the caller set is put back
+    net.forward = own
+    with forward_routed(net, lambda inp: inp), pytest.raises(ZeroDivisionError):
+        raise ZeroDivisionError
+    assert net.__dict__["forward"] is own
+
+
+def test_fit_leaves_the_lightning_module_as_it_was(tmp_path):
+    model, trainer = _fit(tmp_path, RematStrategy(memory_budget="50%", cache_dir=tmp_path / "c"), max_epochs=1)
+    assert trainer.strategy.planner.planned  # its calls went to the planner
+    assert "forward" not in model.__dict__
 
 
 def test_remat_training_ends_with_the_same_weights_and_a_lower_peak(tmp_path):
