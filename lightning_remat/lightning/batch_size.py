@@ -28,8 +28,8 @@ to agree on an out-of-memory error; here each rank measures, and the ranks compa
 
 Length: the trial, its verdict and the callback that drives it read the same Trainer state;
 apart, each would import the other's private helpers. Lightning's private names used (each
-commented where used) are the ones its ``BatchSizeFinder`` uses for the same purposes:
-``fit_loop._data_source``, ``fit_loop._combined_loader`` and ``_TunerExitException``;
+commented where used) are ones its own ``BatchSizeFinder`` uses: ``fit_loop._data_source``,
+``fit_loop._combined_loader`` and ``_TunerExitException``;
 pyproject.toml bounds ``pytorch-lightning`` to the versions tested, and a test fails when one
 is gone.
 """
