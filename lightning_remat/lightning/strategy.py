@@ -1,12 +1,12 @@
 """``Trainer(strategy="remat")``: plan at the first training step, apply, keep training.
 
 The strategy routes the calls of its target (the LightningModule by default, or a named
-submodule) through its planner (:func:`forward_routed`). The first training-mode call with a new input profiles the target on
-the real device (its parameters, gradients and buffers restored afterwards), solves for the
-budget, applies the plan and then runs that very call through it, so no batch is lost and no
-optimizer step is taken twice. Evaluation and ``no_grad`` calls run the original forward.
-Plans are cached in SQLite and stored in Lightning checkpoints, so a restart or a resume
-skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
+submodule) through its planner (:func:`forward_routed`). The first training-mode call with a
+new input profiles the target on the real device (its parameters, gradients and buffers
+restored afterwards), solves for the budget, applies the plan and then runs that very call
+through it, so no batch is lost and no optimizer step is taken twice. Evaluation and
+``no_grad`` calls run the original forward. Plans are cached in SQLite and stored in
+Lightning checkpoints, so a restart or a resume skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
 adds Lightning's hooks, rank-zero logging and, under DDP, the ranks' agreement on new inputs.
 
 The classes are ``pytorch_lightning`` strategies (the package this project depends on);
