@@ -5,20 +5,15 @@
 outside Lightning, ``lightning_remat.remat(module, example_input, memory_budget)`` is the
 one call.
 
-Importing the package is cheap: the names below are imported on first use (PEP 562), so
-``remat()``, the solvers and the command line never load Lightning. The strategies are
-registered at once when ``pytorch_lightning`` is already imported, and otherwise right after
-it is (:class:`_RegisterWhenLightningLoads`), whichever of the two is imported first.
+Importing the package imports ``pytorch_lightning`` to register the strategies in its
+``StrategyRegistry`` (the only place ``Trainer(strategy=...)`` looks a name up), so it works
+whichever of the two is imported first; the other public names below are imported on first
+use (PEP 562).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr__
@@ -58,14 +53,6 @@ __all__ = [
     "parse_budget", "remat", "solve",
 ]
 
-_STRATEGIES = ("lightning_remat.lightning.strategy", "lightning_remat.lightning.fsdp")
-"""Importing them registers the strategies in pytorch_lightning's registry."""
-
-
-def _register_strategies() -> None:
-    for name in _STRATEGIES:
-        importlib.import_module(name)
-
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
@@ -80,40 +67,8 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
-class _RegistersAfterExec(importlib.abc.Loader):
-    """The loader of ``pytorch_lightning``, and then the strategies' registration."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        _register_strategies()
-
-
-class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """Registers the strategies right after ``pytorch_lightning`` is first imported, and
-    leaves ``sys.meta_path`` as it found it at that point (Lightning has no entry point for
-    strategies: its registry fills itself from its own package)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "pytorch_lightning":
-            return None
-        _remove_hook()
-        spec = importlib.util.find_spec(fullname)  # the finders after this one decide
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegistersAfterExec(spec.loader)
-        return spec
-
-
-def _remove_hook() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterWhenLightningLoads)]
-
-
-if "pytorch_lightning" in sys.modules:
-    _register_strategies()
-elif not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+# Registers "remat", "remat_ddp" and "remat_fsdp" in pytorch_lightning's StrategyRegistry.
+# Lightning reads strategy names from that registry only (it has no entry point for
+# strategies), so the registration happens here, on import, whatever was imported first.
+importlib.import_module("lightning_remat.lightning.strategy")
+importlib.import_module("lightning_remat.lightning.fsdp")

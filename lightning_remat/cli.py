@@ -3,8 +3,8 @@
 Every error is one line on stderr that names the input and what is accepted, with exit code
 2: arguments are checked by their argparse types, and the failures a command can expect
 (unreadable files, a model that cannot be loaded, an infeasible budget) are caught in
-:func:`main`. Importing this module loads neither torch nor Lightning: each command imports
-what it needs.
+:func:`main`. Each command imports what it needs (the package's own import loads Lightning,
+to register the strategies).
 """
 
 from __future__ import annotations

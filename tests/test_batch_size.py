@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from types import SimpleNamespace
 
@@ -367,6 +368,87 @@ def test_plain_maximum_matches_lightning_binsearch_on_a_cpu_budget(tmp_path):
     assert finder.optimal_batch_size == ours.largest_feasible
     assert ours.smallest_infeasible == ours.largest_feasible + 1
     assert len(ours.trials) <= len(lightning_runs), ([r.batch_size for r in ours.trials], lightning_runs)
+
+
+class HookedConvNet(SizedConvNet):
+    """Counts the LightningModule hooks Lightning's loop calls around a training step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls: collections.Counter = collections.Counter()
+
+    def backward(self, loss, *args, **kwargs):
+        self.calls["backward"] += 1  # called by the precision plugin, from the strategy
+        super().backward(loss, *args, **kwargs)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.calls["clip"] += 1
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, *args, **kwargs):
+        self.calls["optimizer_step"] += 1
+        super().optimizer_step(*args, **kwargs)
+
+    def optimizer_zero_grad(self, *args, **kwargs):
+        self.calls["zero_grad"] += 1
+        super().optimizer_zero_grad(*args, **kwargs)
+
+
+def test_trial_steps_run_lightnings_backward_clipping_and_optimizer_step(tmp_path):
+    """A trial's steps are the steps training takes: the strategy's backward (precision
+    plugin, the module's backward hook), the module's optimizer_step, gradient clipping and
+    optimizer_zero_grad, once per measured step; callbacks do not see them."""
+    seen = collections.Counter()
+
+    class Watcher(pl.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            seen["before_backward"] += 1
+
+        def on_train_start(self, trainer, pl_module):
+            seen["search"] = dict(pl_module.calls)
+
+    model = HookedConvNet(batch_size=2)
+    finder = RematBatchSizeFinder(memory_budget="2MiB", solver="plain", init_val=2, max_val=48,
+                                  steps_per_trial=2, compare_plain=False, progress_bar=False)
+    small_trainer(tmp_path, max_steps=1, gradient_clip_val=0.5, callbacks=[finder, Watcher()]).fit(model)
+    steps = 2 * len(finder.report.remat.trials)
+    assert steps >= 4
+    assert seen["search"] == {"backward": steps, "clip": steps, "optimizer_step": steps, "zero_grad": steps}
+    assert seen["before_backward"] == 1  # the one step fit took after the search
+    assert "forward" not in model.__dict__  # the module is as it was
+
+
+def test_the_private_lightning_names_the_search_uses_exist(tmp_path):
+    """batch_size.py reads ``fit_loop._data_source`` and resets ``fit_loop._combined_loader``
+    (as Lightning's BatchSizeFinder does), and ends fit with ``_TunerExitException``;
+    pyproject.toml bounds pytorch-lightning to the versions where they exist. A dataloader
+    built before the search (configure_optimizers reading estimated_stepping_batches) is
+    built again at the size found."""
+    from pytorch_lightning.utilities.exceptions import _TunerExitException  # noqa: F401
+
+    seen = {}
+
+    class Stepping(SizedConvNet):
+        def configure_optimizers(self):
+            seen["stepping_batches"] = self.trainer.estimated_stepping_batches  # loads the dataloader
+            return super().configure_optimizers()
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            source = trainer.fit_loop._data_source
+            seen["from_module"] = source.is_module()
+            seen["first_batch"] = next(iter(source.dataloader()))[0].shape[0]
+            seen["loader_built"] = trainer.fit_loop._combined_loader is not None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("trained_on", batch[0].shape[0])
+
+    finder = RematBatchSizeFinder(memory_budget="2MiB", solver="plain", init_val=2, max_val=48,
+                                  steps_per_trial=1, compare_plain=False, progress_bar=False)
+    model = Stepping(batch_size=3)
+    small_trainer(tmp_path, max_epochs=1, limit_train_batches=1, callbacks=[Probe(), finder]).fit(model)
+    assert seen["from_module"] and seen["first_batch"] == 3 and seen["loader_built"]
+    assert seen["trained_on"] == finder.optimal_batch_size == model.batch_size != 3
 
 
 def _pipeline_missing() -> str | None:

@@ -1,9 +1,15 @@
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 import torch
 
 import lightning_remat  # noqa: F401  (registers the strategy)
-from lightning_remat.lightning.strategy import RematStrategy
+from lightning_remat.lightning.strategy import RematStrategy, forward_routed
 from lightning_remat.meter import peak_bytes
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
@@ -21,6 +27,59 @@ def test_registered_by_name(tmp_path):
     trainer = pl.Trainer(strategy="remat", **trainer_kwargs(tmp_path))
     assert isinstance(trainer.strategy, RematStrategy)
     assert trainer.strategy.root_device == torch.device("cpu")
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+_IMPORT_ORDERS = {
+    "remat then lightning": "import lightning_remat\nimport pytorch_lightning as pl\n"
+                            "trainer = pl.Trainer(strategy='remat', accelerator='cpu', logger=False)\n"
+                            "print(type(trainer.strategy).__name__)",
+    "lightning then remat": "import pytorch_lightning as pl\nimport lightning_remat\n"
+                            "trainer = pl.Trainer(strategy='remat', accelerator='cpu', logger=False)\n"
+                            "print(type(trainer.strategy).__name__)",
+    "one name alone": "from lightning_remat import RematStrategy\nprint(RematStrategy.__name__)",
+    "both, then a name": "import lightning_remat, pytorch_lightning\n"
+                         "print(lightning_remat.RematFSDPStrategy.__name__)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", sorted(_IMPORT_ORDERS))
+def test_every_import_order_registers_the_strategies_in_a_fresh_interpreter(order):
+    # After the script, every name must be in Lightning's registry, whichever package came first.
+    code = _IMPORT_ORDERS[order] + (
+        "\nfrom pytorch_lightning.strategies import StrategyRegistry\n"
+        "print(sorted(n for n in StrategyRegistry if n.startswith('remat')))")
+    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd="/tmp", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == "['remat', 'remat_ddp', 'remat_fsdp']"
+    assert lines[-2].startswith("Remat"), lines
+
+
+def test_forward_routed_nests_and_leaves_the_module_as_it_was():
+    net = torch.nn.Linear(3, 2)
+    x = torch.ones(1, 3)
+    with forward_routed(net, lambda inp: inp * 2):
+        assert inspect.signature(net.forward) == inspect.signature(torch.nn.Linear(3, 2).forward)
+        with forward_routed(net, lambda inp: inp * 3):
+            assert torch.equal(net(x), x * 3)
+        assert torch.equal(net(x), x * 2)  # the outer route is back
+    assert "forward" not in net.__dict__ and net(x).shape == (1, 2)
+    own = net.forward  # an instance-level forward the caller set is put back
+    net.forward = own
+    with forward_routed(net, lambda inp: inp), pytest.raises(ZeroDivisionError):
+        raise ZeroDivisionError
+    assert net.__dict__["forward"] is own
+
+
+def test_fit_leaves_the_lightning_module_as_it_was(tmp_path):
+    model, trainer = _fit(tmp_path, RematStrategy(memory_budget="50%", cache_dir=tmp_path / "c"), max_epochs=1)
+    assert trainer.strategy.planner.planned  # its calls went to the planner
+    assert "forward" not in model.__dict__
 
 
 def test_remat_training_ends_with_the_same_weights_and_a_lower_peak(tmp_path):

@@ -5,7 +5,9 @@ that another rematerialization plan would make a bigger batch fit. This callback
 same kind of search (an Optuna study, see :mod:`lightning_remat.tuning`) where a trial at
 batch size ``b`` is what ``Trainer(strategy=RematStrategy(...))`` would do at ``b``: trace,
 profile, solve for the budget and apply the plan (:class:`~lightning_remat.planner.Planner`),
-then run ``steps_per_trial`` real training steps and measure their peak
+then run ``steps_per_trial`` training steps as Lightning's loop runs them (the strategy's
+``training_step``, ``backward`` and optimizer step, so the DDP wrapper, the precision plugin
+with its GradScaler, and gradient clipping take part) and measure their peak
 (:func:`~lightning_remat.meter.peak_bytes`). A trial is feasible when a plan
 exists, nothing runs out of memory and the measured peak is within the budget. The same
 search with solver ``"plain"`` (no rematerialization) gives plain training's maximum for
@@ -24,9 +26,12 @@ over ranks), and every rank writes the same answer, so every rank's dataloader g
 Lightning's ``BatchSizeFinder`` refuses distributed strategies because the ranks would have
 to agree on an out-of-memory error; here each rank measures, and the ranks compare.
 
-Length: the trial, its verdict and the callback that drives it read the same Trainer
-internals (the fit loop's data source, the precision plugin, the optimizers); apart, each
-would import the other's private helpers.
+Length: the trial, its verdict and the callback that drives it read the same Trainer state;
+apart, each would import the other's private helpers. Lightning's private names used (each
+commented where used) are ones its own ``BatchSizeFinder`` uses: ``fit_loop._data_source``,
+``fit_loop._combined_loader`` and ``_TunerExitException``;
+pyproject.toml bounds ``pytorch-lightning`` to the versions tested, and a test fails when one
+is gone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks.callback import Callback
+from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.utilities.exceptions import MisconfigurationException, _TunerExitException
 from pytorch_lightning.utilities.parsing import (
     lightning_getattr,
@@ -65,7 +72,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
 from lightning_remat.graph.trace import Traced, default_loss, local_bytes, trace_module
-from lightning_remat.lightning.strategy import RematHooks
+from lightning_remat.lightning.strategy import RematHooks, forward_routed
 from lightning_remat.meter import collector_settled, peak_bytes
 from lightning_remat.planner import (
     DistributedRanks,
@@ -122,19 +129,25 @@ class _Captured(Exception):
 
 
 @contextlib.contextmanager
-def _forward_replaced(target: nn.Module, forward: Callable[..., Any] | None) -> Iterator[None]:
-    """Run with ``target.forward`` replaced (None: the class's own forward), then put back
-    whatever instance-level forward was there (e.g. the strategy's wrapper)."""
-    had = "forward" in target.__dict__
-    previous = target.__dict__.pop("forward", None)
-    if forward is not None:
-        target.forward = forward  # type: ignore[method-assign]
+def _strategy_planning_paused(strategy: Any) -> Iterator[None]:
+    """A remat strategy plans nothing while a trial runs its steps through it (the trial
+    routes the target to a planner of its own, or to nothing for plain training)."""
+    with strategy.planning_paused() if isinstance(strategy, RematHooks) else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _trainer_kept(trainer: pl.Trainer) -> Iterator[None]:
+    """No callback sees a trial's steps (the strategy's backward and optimizer step call
+    their hooks; Lightning's batch-size search sets them aside too), and the precision
+    plugin's state (a GradScaler's scale) is restored after it."""
+    callbacks, precision = trainer.callbacks, copy.deepcopy(trainer.precision_plugin.state_dict())
+    trainer.callbacks = []
     try:
         yield
     finally:
-        target.__dict__.pop("forward", None)
-        if had:
-            target.forward = previous  # type: ignore[method-assign]
+        trainer.callbacks = callbacks
+        trainer.precision_plugin.load_state_dict(precision)
 
 
 @contextlib.contextmanager
@@ -207,7 +220,8 @@ class LightningTrial:
     (:func:`~lightning_remat.graph.scale.derive_graph`) instead of profiling: a trial costs
     one solve and its measured steps. On CUDA one unmeasured warm-up step runs first; each
     of ``steps_per_trial`` steps is forward + backward inside the meter, then the optimizer
-    step; the state is restored afterwards.
+    step; the state is restored afterwards. The steps run as Lightning's automatic
+    optimization runs them (:meth:`_run_step`).
     """
 
     def __init__(
@@ -236,6 +250,7 @@ class LightningTrial:
     def batch(self, batch_size: int) -> Any:
         """A training batch of exactly ``batch_size`` samples on the device."""
         lightning_setattr(self.model, self.batch_arg_name, batch_size)
+        # Private: the dataloader fit uses (model's or datamodule's), as BatchSizeFinder reads it.
         loader = self.trainer.fit_loop._data_source.dataloader()
         batch = next(iter(loader))
         batch = resize_batch(batch, batch_size)
@@ -250,7 +265,7 @@ class LightningTrial:
             return None
 
         def loss_of(outputs: Any) -> torch.Tensor:
-            with _forward_replaced(self.target, lambda *args, **kwargs: outputs), \
+            with forward_routed(self.target, lambda *args, **kwargs: outputs), \
                     self.trainer.precision_plugin.train_step_context():
                 out = self.model.training_step(batch, 0)
             loss = out["loss"] if isinstance(out, Mapping) else out
@@ -282,7 +297,8 @@ class LightningTrial:
         model = self.model
         family = []
         with (
-            preserved_training_state(model), _logging_muted(model), _forward_replaced(self.target, None),
+            preserved_training_state(model), _logging_muted(model),
+            _strategy_planning_paused(self.trainer.strategy),
         ):
             model.train()
             for size in sizes:
@@ -337,49 +353,68 @@ class LightningTrial:
                               repeats=self.settings.plan.profile_repeats,
                               safe=self.settings.plan.safe_profile, loss_fn=self._loss)
 
-    def _step(self, batch: Any) -> None:
-        with self.trainer.precision_plugin.train_step_context():
-            out = self.model.training_step(batch, 0)
-        if not self.model.automatic_optimization:
-            return  # training_step did its own backward and step
-        loss = out["loss"] if isinstance(out, Mapping) else out
-        if loss is None:
+    def _run_step(self, batch: Any, measured: list[tuple[int, int, float]] | None = None) -> None:
+        """One training step as Lightning's automatic optimization runs it: the module's
+        ``optimizer_step`` hook steps its LightningOptimizer with a closure running the
+        strategy's ``training_step`` (precision context, DDP wrapper) and ``backward``
+        (precision plugin, GradScaler); the plugin then calls ``on_before_optimizer_step``
+        and clips the gradients; then ``optimizer_zero_grad``. Under manual optimization
+        ``training_step`` does all of it.
+
+        With ``measured``, forward and backward run inside the meter, and (their peak, the
+        bytes of the parameter gradients they allocated, when they started) is appended: the
+        gradients are live when the backward ends, so a true reading is never below them
+        (docs/design.md section 6); the optimizer's update is outside the meter.
+        """
+        model, strategy = self.model, self.trainer.strategy
+        without_grad = [p for p in model.parameters() if p.grad is None]
+
+        def forward_backward(optimizer: Any) -> torch.Tensor | None:
+            out = strategy.training_step(batch, 0)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            if not model.automatic_optimization or loss is None:
+                return None  # manual: training_step ran its own backward and step
+            strategy.backward(loss, getattr(optimizer, "optimizer", optimizer))  # the torch one
+            return loss.detach()
+
+        def closure(optimizer: Any = None) -> torch.Tensor | None:
+            if measured is None:
+                return forward_backward(optimizer)
+            result: list[torch.Tensor | None] = [None]
+            started = [0.0]
+
+            def step() -> None:
+                started[0] = time.perf_counter()
+                result[0] = forward_backward(optimizer)
+
+            peak = peak_bytes(step, self.device)
+            grad_bytes = sum(local_bytes(p.grad) for p in without_grad if p.grad is not None)
+            measured.append((peak, grad_bytes, started[0]))
+            return result[0]
+
+        optimizers = model.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        if not model.automatic_optimization or not optimizers:
+            closure()
             return
-        loss.backward()
-
-    def _measured_step(self, batch: Any, started: list[float]) -> tuple[int, int]:
-        """One step inside the meter: (its measured peak, the bytes of the parameter
-        gradients it allocated). The gradients are live when the step ends, so a true
-        reading is never below them (docs/design.md section 6)."""
-        without_grad = [p for p in self.model.parameters() if p.grad is None]
-
-        def step() -> None:
-            started[0] = time.perf_counter()
-            self._step(batch)
-
-        peak = peak_bytes(step, self.device)
-        grad_bytes = sum(local_bytes(p.grad) for p in without_grad if p.grad is not None)
-        return peak, grad_bytes
-
-    def _optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        if self.model.automatic_optimization:
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        (optimizer,) = optimizers  # Lightning allows one under automatic optimization
+        epoch = self.trainer.current_epoch
+        model.optimizer_step(epoch, 0, optimizer, optimizer_closure=functools.partial(closure, optimizer))
+        model.optimizer_zero_grad(epoch, 0, optimizer)
 
     def __call__(self, batch_size: int) -> TrialResult:
-        model = self.model
-        optimizers = list(self.trainer.optimizers)
+        model, trainer = self.model, self.trainer
         planned: Planned | None = None
         with (
-            preserved_training_state(model), _optimizers_preserved(optimizers), _logging_muted(model),
-            _forward_replaced(self.target, None),
+            preserved_training_state(model), _optimizers_preserved(list(trainer.optimizers)),
+            _trainer_kept(trainer), _logging_muted(model),
+            _strategy_planning_paused(trainer.strategy),
         ):
             model.train()
             batch = self.batch(batch_size)
             self._size = batch_size
             self._loss = self.loss_fn(batch)
-            forward = None
+            routed: contextlib.AbstractContextManager = contextlib.nullcontext()
             if self.solver != PLAIN:
                 args, kwargs = self._capture_call(batch)
                 planner = Planner(
@@ -391,11 +426,10 @@ class LightningTrial:
                     tracer=self._trace_for_trial if self.family else None,
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
-                forward = planner
-            peaks: list[int] = []
+                routed = forward_routed(self.target, planner)
+            measured: list[tuple[int, int, float]] = []
             reserved, seconds = [0], []
-            grad_bytes = 0
-            with _forward_replaced(self.target, forward):
+            with routed:
                 if self.device.type == "cuda" or self.settings.budget_from_device:
                     # One unmeasured step first on CUDA: the first run of a kernel at a new
                     # shape allocates lasting caches (cuDNN workspaces, the optimizer's
@@ -403,23 +437,19 @@ class LightningTrial:
                     # and a budget read from free memory must see the optimizer's state. The
                     # CPU meter counts tensor storage only, and the optimizer's state
                     # appears after the measured backward.
-                    self._step(batch)
-                    self._optimizer_step(optimizers)
+                    self._run_step(batch)
                 # Once the optimizer state exists, what is left is what a step may use.
                 budget_bytes = default_budget(self.device) if self.settings.budget_from_device else self.budget_bytes
                 for _ in range(self.steps_per_trial):
-                    started = [0.0]
-                    peak, step_grad_bytes = self._measured_step(batch, started)
-                    peaks.append(peak)
-                    grad_bytes = max(grad_bytes, step_grad_bytes)
-                    self._optimizer_step(optimizers)
+                    self._run_step(batch, measured)
                     if self.device.type == "cuda":  # CUDA only: the step's time; reserved beside allocated
                         torch.cuda.synchronize(self.device)
                         reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
-                    seconds.append(time.perf_counter() - started[0])
+                    seconds.append(time.perf_counter() - measured[-1][2])
             del batch
             self._loss = None  # it holds the batch
-        peak = max(peaks)
+        peak = max(m[0] for m in measured)
+        grad_bytes = max(m[1] for m in measured)
         step_seconds = sorted(seconds)[len(seconds) // 2]  # median
         feasible, reason = _verdict(peak, grad_bytes, budget_bytes)
         return TrialResult(
@@ -510,10 +540,11 @@ class RematBatchSizeFinder(Callback):
 
     # ---- Lightning hooks ------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
-        if trainer._accelerator_connector.is_distributed and not isinstance(trainer.strategy, RematHooks):
+        if isinstance(trainer.strategy, ParallelStrategy) and not isinstance(trainer.strategy, RematHooks):
             raise MisconfigurationException(
                 f"RematBatchSizeFinder does not support {type(trainer.strategy).__name__}; across ranks "
                 "it runs under strategy='remat_ddp' or 'remat_fsdp'")
+        # Private, as in BatchSizeFinder.setup: whether fit's dataloader comes from a module.
         if stage == "fit" and not trainer.fit_loop._data_source.is_module():
             raise MisconfigurationException(
                 "RematBatchSizeFinder cannot change the batch size of dataloaders passed directly to "
@@ -639,7 +670,7 @@ class RematBatchSizeFinder(Callback):
         try:
             sample_shape = ""
             with contextlib.suppress(Exception):  # the name is only a label; never fail on it
-                loader = trainer.fit_loop._data_source.dataloader()
+                loader = trainer.fit_loop._data_source.dataloader()  # private: see LightningTrial.batch
                 sample_shape = _sample_shape(next(iter(loader)))
             say = self._say(trainer)
             started = time.perf_counter()
@@ -699,10 +730,12 @@ class RematBatchSizeFinder(Callback):
             lightning_setattr(pl_module, self.batch_arg_name, remat.largest_feasible)
         if not self._early_exit:  # find_max_batch_size returns the report to its caller instead
             rank_zero_info(self.report.table())
-        # The fit loop builds its dataloaders after this hook, with the new size.
+        # Private, as BatchSizeFinder's _reset_dataloaders: a dataloader built before this hook
+        # (configure_optimizers reading trainer.estimated_stepping_batches builds one) is
+        # dropped, so the fit loop builds it again with the new size.
         trainer.fit_loop._combined_loader = None
         if self._early_exit:
-            raise _TunerExitException()
+            raise _TunerExitException()  # private: how BatchSizeFinder ends fit after its search
         return self.report
 
 

@@ -143,15 +143,13 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
         super()._install(trainer)
         module = self._target_module
         assert module is not None
-        strategy = self
 
         def plan_before_gathering(unit: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             # Planned before FSDP's own pre-forward hook, so the profile's steps are whole
             # FSDP steps of the sharded unit, not steps nested in its forward.
-            planner = strategy.planner
-            if (planner is not None and not planner.busy and strategy._in_training_step
-                    and unit.training and torch.is_grad_enabled()):
-                planner.planned_for(args, kwargs)
+            if self.plans_call(unit):
+                assert self.planner is not None
+                self.planner.planned_for(args, kwargs)
 
         self._plan_hook = module.register_forward_pre_hook(plan_before_gathering, prepend=True,
                                                            with_kwargs=True)

@@ -1,16 +1,17 @@
 """``Trainer(strategy="remat")``: plan at the first training step, apply, keep training.
 
-The strategy wraps the forward of its target (the LightningModule's ``forward`` by default,
-or a named submodule). The first training-mode call with a new input profiles the target on
-the real device (its parameters, gradients and buffers restored afterwards), solves for the
-budget, applies the plan and then runs that very call through it, so no batch is lost and no
-optimizer step is taken twice. Evaluation and ``no_grad`` calls run the original forward.
-Plans are cached in SQLite and stored in Lightning checkpoints, so a restart or a resume
-skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
+The strategy routes the calls of its target (the LightningModule by default, or a named
+submodule) through its planner (:func:`forward_routed`). The first training-mode call with a
+new input profiles the target on the real device (its parameters, gradients and buffers
+restored afterwards), solves for the budget, applies the plan and then runs that very call
+through it, so no batch is lost and no optimizer step is taken twice. Evaluation and
+``no_grad`` calls run the original forward. Plans are cached in SQLite and stored in
+Lightning checkpoints, so a restart or a resume skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
 adds Lightning's hooks, rank-zero logging and, under DDP, the ranks' agreement on new inputs.
 
 The classes are ``pytorch_lightning`` strategies (the package this project depends on);
-``import lightning_remat`` registers ``"remat"`` and ``"remat_ddp"`` in its registry.
+importing this module (``import lightning_remat`` does) registers ``"remat"`` and
+``"remat_ddp"`` in its ``StrategyRegistry``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,15 +30,51 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
+from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, shapes_of
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
 
-__all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy"]
+__all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy", "forward_routed"]
 
 CHECKPOINT_KEY = "lightning_remat"
 """Where a checkpoint keeps the plans (graph and plan JSON and what decided them, by input
 key)."""
+
+
+@contextlib.contextmanager
+def forward_routed(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Inside, every call of ``module`` runs ``forward(*args, **kwargs)`` (its hooks still
+    around it); on exit the module is as it was, with whatever instance-level ``forward`` it
+    had before (routes nest, innermost first).
+
+    The one place that sets and removes a module's ``forward`` (the strategy's route and
+    the batch-size search's alike). Composition cannot do it: the calls planned are the
+    LightningModule's own ``self(x)`` (or ``self.backbone(x)``) inside ``training_step``,
+    which reach ``forward`` through the module's own ``__call__``; a wrapper around the
+    module, as DDP's around ``strategy.model``, sees only the loop's call of
+    ``training_step`` (Lightning's own DDP strategy reroutes that call by setting the
+    LightningModule's ``forward`` in the same way, its ``_ForwardRedirection``), and a forward
+    hook cannot skip the forward it precedes. Only the instance attribute changes: the
+    class, the parameters and the ``state_dict`` are untouched, and fx tracing reads the
+    class's ``forward``.
+    """
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    own = module.forward
+
+    @functools.wraps(own)  # inspect.signature(module.forward) stays the real one
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    module.forward = routed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
 
 
 def progress_lines(trainer: pl.Trainer) -> Callable[[str], None] | None:
@@ -82,8 +118,10 @@ class RematHooks:
         self.cache_dir = cache_dir
         self.planner = None
         self._target_module: torch.nn.Module | None = None
+        self._route = contextlib.ExitStack()
         self._restored: dict[str, StoredPlan] = {}
         self._in_training_step = False
+        self._planning_paused = False
 
     @property
     def memory_budget(self) -> int | float | str | None:
@@ -153,28 +191,39 @@ class RematHooks:
             progress=progress_lines(trainer),
         )
         original_forward = module.forward
-        strategy = self
 
-        @functools.wraps(type(module).forward)  # tracing reads the real signature
-        def forward(_self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            planner = strategy.planner
-            if (
-                planner is None or planner.busy or not strategy._in_training_step
-                or not _self.training or not torch.is_grad_enabled()
-            ):
-                return original_forward(*args, **kwargs)
-            return planner(*args, **kwargs)
+        def route(*args: Any, **kwargs: Any) -> Any:
+            if self.plans_call(module):
+                assert self.planner is not None
+                return self.planner(*args, **kwargs)
+            return original_forward(*args, **kwargs)
 
-        module.forward = types.MethodType(forward, module)
+        self._route.enter_context(forward_routed(module, route))
         self._target_module = module
+
+    def plans_call(self, module: torch.nn.Module) -> bool:
+        """Whether a call of the planned ``module`` now goes to the planner: a training-mode,
+        grad-enabled call inside the strategy's ``training_step``, while the planner is not
+        itself running the module and planning is not paused (:meth:`planning_paused`)."""
+        planner = self.planner
+        return (planner is not None and not planner.busy and self._in_training_step
+                and not self._planning_paused and module.training and torch.is_grad_enabled())
+
+    @contextlib.contextmanager
+    def planning_paused(self) -> Iterator[None]:
+        """Inside, the strategy plans nothing: the planned module runs its own forward, or
+        whatever forward a caller routes it to (the batch-size search runs its trials'
+        steps through the strategy's ``training_step`` with planners of its own)."""
+        paused = self._planning_paused
+        self._planning_paused = True
+        try:
+            yield
+        finally:
+            self._planning_paused = paused
 
     @staticmethod
     def _add_dashboards(trainer: pl.Trainer) -> bool:
         """Add a MemoryTimelineLogger when a TensorBoard logger is attached and none is."""
-        # Imported here: importing memory_timeline imports pytorch_lightning, whose first import
-        # registers the strategies by importing this module (lightning_remat/__init__.py).
-        from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
-
         if not any(type(lg).__name__ == "TensorBoardLogger" for lg in trainer.loggers):
             return False
         if not any(isinstance(cb, MemoryTimelineLogger) for cb in trainer.callbacks):
@@ -182,8 +231,7 @@ class RematHooks:
         return True
 
     def _uninstall(self) -> None:
-        if self._target_module is not None and "forward" in self._target_module.__dict__:
-            del self._target_module.forward
+        self._route.close()
         self._target_module = None
 
     def _on_plan(self, entry: Planned) -> None:
