@@ -22,20 +22,18 @@ all ask here, so they cannot disagree on what an op is:
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
 
 from lightning_remat.graph.ir import Graph
-
-if TYPE_CHECKING:
-    import torch.fx as fx
-    from torch import nn
 
 __all__ = [
     "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
     "draws_random", "inplace_operands", "keepable", "mutated_operand", "random_vertices",
 ]
-# torch is imported where an op is looked at, not here: the solvers and the command line
-# read graphs without loading torch.
 
 VIEW_OPS = frozenset({
     "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
@@ -75,8 +73,6 @@ this internal gradient is the op's backward workspace."""
 # ---- aten ops: torch's tags and schemas ---------------------------------------------------
 def draws_random(op: Any) -> bool:
     """Whether an aten op draws random numbers (torch's ``nondeterministic_seeded`` tag)."""
-    import torch
-
     return torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
@@ -100,8 +96,6 @@ def keepable(op: Any) -> bool:
 
 def _returns_tensors(schema: Any) -> bool:
     """Whether every return of an op schema is a tensor (or an optional or a list of them)."""
-    import torch
-
     for value in schema.returns:
         kind = value.type
         if isinstance(kind, torch._C.OptionalType):
@@ -124,8 +118,6 @@ _INPLACE_OPERATORS = {
 def mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
     """The node whose tensor ``node`` modifies in place, or None (``owner``: the module the
     node's ``call_module`` targets live in)."""
-    import torch.fx as fx
-
     if not node.args or not isinstance(node.args[0], fx.Node):
         return None
     first = node.args[0]
