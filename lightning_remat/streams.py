@@ -27,7 +27,7 @@ CPU tests run the logic around them through this stand-in or through fakes of
   ``_dispatch_backlog_cycles`` (the timing logic runs on a simulated timeline);
 - ``lightning/memory_timeline.py``: the allocator counter reads (run on fakes);
 - ``lightning/batch_size.py``: ``max_memory_reserved`` and the step-time synchronise;
-- ``planner.py``: ``DistributedRanks``' extra gloo group under NCCL;
+- ``messages.py``: ``DistributedRanks``' extra gloo group under NCCL;
 - ``device.py``: ``default_budget``'s ``mem_get_info`` and counters, ``device_name``.
 """
 

@@ -44,8 +44,8 @@ from torch import nn
 
 from lightning_remat.cache import default_cache_dir, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
-from lightning_remat.errors import RematInfeasibleError
-from lightning_remat.planner import Ranks
+from lightning_remat.errors import RematInfeasibleError, warn_caller
+from lightning_remat.messages import Ranks
 
 PARAM = "batch_size"
 """The one parameter of a batch-size study."""
@@ -502,11 +502,10 @@ def run_search(
     records = finished_records(study)
     br = bracket([(r.batch_size, r.feasible) for r in records])
     if not br.monotone:
-        warnings.warn(
+        warn_caller(
             f"lightning-remat batch-size search ({label}): a size above the smallest infeasible "
             f"one ({br.smallest_infeasible}) was feasible; measurements near the budget are noisy. "
-            "The answer trusts the smallest infeasible size.", stacklevel=2,
-        )
+            "The answer trusts the smallest infeasible size.")
     feasible = [r for r in records if r.feasible]
     return SearchResult(
         label=label, solver=solver,
@@ -631,11 +630,10 @@ def _fail_stale_trials(study: Study, storage: optuna.storages.BaseStorage, label
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_state_values(trial_id, TrialState.FAIL)
     sizes = [t.params.get(PARAM) for t in stale]
-    warnings.warn(
+    warn_caller(
         f"lightning-remat batch-size search ({label}): {len(stale)} trial(s) of study "
         f"{study.study_name!r} were left running by an interrupted search (batch sizes {sizes}); "
-        "marked them failed, their sizes run again", stacklevel=3,
-    )
+        "marked them failed, their sizes run again")
 
 
 def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:

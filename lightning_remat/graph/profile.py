@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -53,6 +52,7 @@ from lightning_remat.device import (
     module_device,
     preserved_state,
 )
+from lightning_remat.errors import warn_caller
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import (
     CHILDREN,
@@ -772,9 +772,8 @@ def profile_module(
             # The exception (and its frames holding activations) is gone here; free the cache.
             _clear_grads(grad_holders)
             free_device_memory(device)
-            warnings.warn(f"the training step ran out of memory while profiling "
-                          f"({fallback_reason}); profiling again in memory-safe mode",
-                          UserWarning, stacklevel=2)
+            warn_caller(f"the training step ran out of memory while profiling "
+                        f"({fallback_reason}); profiling again in memory-safe mode")
             safe = True
         if safe:
             meta.plain_peak_bytes = None
@@ -875,12 +874,11 @@ def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
     held = [weakref.ref(t) for t in wanting]
     del leaves, wanting
     if any(ref() is not None for ref in held):
-        warnings.warn(
+        warn_caller(
             "the loss keeps the module's outputs alive after it returns (a reference cycle, or a "
             "reference kept elsewhere), so they outlive the start of the backward, where the plan "
             "counts them freed: the measured peak can exceed the plan's. Take the loss without "
-            "keeping the outputs (a recursive closure over a list of them is such a cycle)",
-            UserWarning, stacklevel=4)
+            "keeping the outputs (a recursive closure over a list of them is such a cycle)")
     return peak, int(sum(storages.values()))
 
 
