@@ -19,6 +19,8 @@ FLOW: list[tuple[str, ...]] = [
     ("device", "meter", "streams"),
     ("graph.ir",),
     ("graph.trace",),
+    ("graph.instruments",),
+    ("graph.opmeter",),
     ("graph.profile",),
     ("graph.scale",),
     ("solvers.plan",),
