@@ -14,6 +14,9 @@ broadcasts is one of the messages below, each a frozen dataclass:
 - :class:`SharedPlan`: the graph and plan the owner made, which every rank applies;
 - :class:`PlanningFailed`: the error that stopped the owner, which every rank raises (the
   other ranks wait in the broadcast and must not hang).
+
+The batch-size search across ranks sends its own (rank zero's trials and result:
+:class:`~lightning_remat.tuning.TrialAt` and the rest, beside the search they carry).
 """
 
 from __future__ import annotations

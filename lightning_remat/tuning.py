@@ -523,6 +523,30 @@ class TrialFailedOnRank(RuntimeError):
     """A trial raised on some rank (every rank raises it together, from the same gather)."""
 
 
+# What rank zero broadcasts to the other ranks while it searches (:func:`run_search_across_ranks`).
+
+
+@dataclass(frozen=True)
+class TrialAt:
+    """Run the trial at ``batch_size`` (every rank runs it: FSDP's collectives need all)."""
+
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class SearchDone:
+    """The search ended with ``result``, which every rank returns."""
+
+    result: SearchResult
+
+
+@dataclass(frozen=True)
+class SearchStopped:
+    """Rank zero's search raised ``error`` (``"TypeName: message"``); every rank stops."""
+
+    error: str
+
+
 def combine_trials(results: Sequence[TrialResult]) -> TrialResult:
     """One verdict for a trial every rank ran: it fits only when it fits on every rank, its
     peak is the worst rank's, its time the slowest rank's (the step waits for it)."""
@@ -559,17 +583,17 @@ def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any)
     returns rank zero's result. ``search_args``: :func:`run_search`'s keywords."""
     if ranks.rank != 0:
         while True:
-            kind, value = ranks.broadcast(None, 0)
-            if kind == "trial":
-                _trial_on_every_rank(trial_fn, value, ranks)
-            elif kind == "done":
-                return value
+            message: TrialAt | SearchDone | SearchStopped = ranks.broadcast(None, 0)
+            if isinstance(message, TrialAt):
+                _trial_on_every_rank(trial_fn, message.batch_size, ranks)
+            elif isinstance(message, SearchDone):
+                return message.result
             else:
-                raise RuntimeError(f"lightning_remat: rank 0's batch-size search stopped ({value}); "
-                                   "every rank stops with it")
+                raise RuntimeError(f"lightning_remat: rank 0's batch-size search stopped "
+                                   f"({message.error}); every rank stops with it")
 
     def lead(batch_size: int) -> TrialResult:
-        ranks.broadcast(("trial", batch_size), 0)
+        ranks.broadcast(TrialAt(batch_size), 0)
         return _trial_on_every_rank(trial_fn, batch_size, ranks)
 
     try:
@@ -577,9 +601,9 @@ def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any)
     except TrialFailedOnRank:
         raise  # every rank raised it
     except BaseException as exc:
-        ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), 0)
+        ranks.broadcast(SearchStopped(f"{type(exc).__name__}: {exc}"), 0)
         raise
-    ranks.broadcast(("done", result), 0)
+    ranks.broadcast(SearchDone(result), 0)
     return result
 
 
