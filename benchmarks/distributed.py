@@ -69,7 +69,8 @@ def _build(method: str, batch: int, args: argparse.Namespace, budget: Any) -> tu
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     planner = None
     if method.startswith("remat:"):
-        from lightning_remat.planner import DistributedRanks, Planner, PlanSettings
+        from lightning_remat.messages import DistributedRanks
+        from lightning_remat.planner import Planner, PlanSettings
 
         planner = Planner(model, PlanSettings(budget, profile_repeats=1), ranks=DistributedRanks())
         original = model.forward

@@ -18,13 +18,13 @@ import hashlib
 import json
 import sqlite3
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lightning_remat.errors import warn_caller
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
 
@@ -182,8 +182,8 @@ def move_aside(path: str | Path, reason: str, what: str) -> Path:
         side = path.with_name(path.name + suffix)
         if side.exists():
             side.replace(aside.with_name(aside.name + suffix))
-    warnings.warn(f"lightning-remat: {what} {path} cannot be read ({reason}); moved it to {aside} "
-                  "and started a new one", stacklevel=3)
+    warn_caller(f"lightning-remat: {what} {path} cannot be read ({reason}); moved it to {aside} "
+                "and started a new one")
     return aside
 
 
@@ -232,8 +232,8 @@ class PlanCache:
                 return operation(db)
         except sqlite3.DatabaseError as exc:
             if _is_busy(exc):
-                warnings.warn(f"lightning-remat: plan cache {self.path} is busy ({exc}); not "
-                              "using it for this plan", stacklevel=3)
+                warn_caller(f"lightning-remat: plan cache {self.path} is busy ({exc}); not "
+                            "using it for this plan")
             else:
                 self._recover(str(exc))
             return default
@@ -266,8 +266,8 @@ class PlanCache:
             if graph.graph_hash() != key.graph_hash:
                 raise ValueError("the stored graph has a different structure")
         except (ValueError, KeyError, TypeError) as exc:
-            warnings.warn(f"lightning-remat: ignoring a stale plan cache entry in {self.path}: "
-                          f"{exc}", stacklevel=2)
+            warn_caller(f"lightning-remat: ignoring a stale plan cache entry in {self.path}: "
+                        f"{exc}")
             self.delete(key)
             return None
         return CacheEntry(graph, plan)

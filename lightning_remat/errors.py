@@ -1,6 +1,11 @@
-"""Errors a user can act on: each message says what was wrong and what to do."""
+"""Errors a user can act on: each message says what was wrong and what to do; warnings
+shown at the user's own line (:func:`warn_caller`)."""
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 from lightning_remat.budget import format_bytes
 
@@ -31,3 +36,31 @@ class RematInfeasibleError(RematError):
 
 class TraceError(RematError):
     """Neither torch.fx nor checkpointing its submodules in place can describe the module."""
+
+
+_FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
+"""Packages whose frames lie between the user's code and this one (a module's ``__call__``,
+Lightning's loops): a warning meant for the user skips them too."""
+
+
+def _skipped_prefixes() -> tuple[str, ...]:
+    # The frameworks loaded now (looked up, never imported: the engine runs without Lightning).
+    packages = [sys.modules[__name__.partition(".")[0]]]
+    packages += [sys.modules[name] for name in _FRAMEWORKS if name in sys.modules]
+    files = [getattr(package, "__file__", None) for package in packages]
+    return tuple(os.path.dirname(file) + os.sep for file in files if file)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn at the user's code: the first frame outside this package and the frameworks that
+    call into it (torch, Lightning), however deep the warning is raised, so that the line
+    shown is the user's and warning filters by module match the user's module."""
+    prefixes = _skipped_prefixes()
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, stacklevel=2, skip_file_prefixes=prefixes)
+        return
+    # Python < 3.12 has no skip_file_prefixes: count the frames it would skip.
+    frame, stacklevel = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame, stacklevel = frame.f_back, stacklevel + 1
+    warnings.warn(message, category, stacklevel=stacklevel)

@@ -1,28 +1,30 @@
 """The one planner: a plan per input of a module, made the same way for ``remat()``, the
 Lightning strategies and the batch-size search.
 
-For a call whose input key (:func:`input_key`) is new, :class:`Planner` traces the module,
-takes the plan restored from a checkpoint or the plan cache when there is one, or else
-profiles the module on its device, turns the budget into bytes and solves. Under DDP
-(:class:`Ranks`) the ranks first agree, at every training call, whether any rank meets a
-key it has no plan for; if one does, they gather the keys, the lowest rank holding each new
-key plans it and broadcasts the plan, and every rank applies the plan made for its own key.
-No collective is ever called by some ranks only (a short last batch or a per-rank padding
-gives ranks different keys). Under sharded data parallelism (torch FSDP) tracing and
-profiling run FSDP's own collectives, so every rank traces and profiles each new key
-together, on the inputs of the rank that owns it; that rank alone solves and broadcasts. The plan is compiled into a
-variant of one :class:`~lightning_remat.runtime.module.RematModule`, which then runs every
-call with that key.
+For a call whose input key (:func:`~lightning_remat.inputs.input_key`) is new,
+:class:`Planner` traces the module, takes the plan restored from a checkpoint or the plan
+cache when there is one, or else profiles the module on its device, turns the budget into
+bytes and solves. Under DDP (:class:`~lightning_remat.messages.Ranks`) the ranks first
+agree, at every training call, whether any rank meets a key it has no plan for; if one
+does, they gather the keys, the lowest rank holding each new key plans it and broadcasts
+the plan (:class:`~lightning_remat.messages.Exchange`), and every rank applies the plan made
+for its own key. No collective is ever called by some ranks only (a short last batch or a
+per-rank padding gives ranks different keys). Under sharded data parallelism (torch FSDP)
+tracing and profiling run FSDP's own collectives, so every rank traces and profiles each
+new key together, on the inputs of the rank that owns it; that rank alone solves and
+broadcasts. The plan is compiled into a variant of one
+:class:`~lightning_remat.runtime.module.RematModule`, which then runs every call with that key.
 
 A budget given as a fraction (``"60%"``, ``0.6``) is a fraction of the plain step's
 profiled peak for the input being planned: each new input shape is held to its own share.
 ``None`` is the device's free memory less a margin on CUDA and no limit elsewhere.
 
-Length: the steps of planning one input (its key, the agreement across ranks, the checkpoint
-and the cache, profiling, the budget, solving, applying) share the planner's state and are
-read top to bottom as one flow, so they stay in one module.
+Length: the steps of planning one input (the agreement across ranks, the checkpoint and the
+cache, profiling, the budget, solving, applying) share the planner's state and are read top
+to bottom as one flow, so they stay in one module; the input key and the messages between
+ranks have modules of their own (:mod:`lightning_remat.inputs`, :mod:`lightning_remat.messages`).
 
-This module holds no Lightning code; the strategy passes in its :class:`Ranks` and a callback.
+This module holds no Lightning code; the strategy passes in its ranks and a callback.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ import dataclasses
 import inspect
 import sys
 import time
-import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ from lightning_remat.device import (
     preserved_state,
     preserved_training_state,
 )
-from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.errors import warn_caller
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
@@ -58,6 +59,23 @@ from lightning_remat.graph.trace import (
     sharded_gradients_kept,
     sharding_of,
     trace_module,
+)
+from lightning_remat.inputs import (
+    InputKey,
+    autocast_state,
+    input_key,
+    key_changes,
+    precision_leaf,
+    same_values,
+    without_precision,
+)
+from lightning_remat.messages import (
+    Exchange,
+    ProfileTogether,
+    Ranks,
+    SharedCall,
+    SharedPlan,
+    world_size,
 )
 from lightning_remat.meter import TimelinePoint, record_timeline
 from lightning_remat.runtime.hooked import per_submodule_plan
@@ -72,87 +90,7 @@ from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
-__all__ = [
-    "DistributedRanks", "InputKey", "PlanSettings", "Planned", "Planner", "Ranks", "input_key", "world_size",
-    "plain_peak_bytes", "remat",
-]
-
-InputKey = tuple
-"""What a plan depends on in a call: every tensor's shape, dtype and device type, every
-other argument's value, with the forward's defaults filled in."""
-
-
-def input_key(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> InputKey:
-    """The :data:`InputKey` of a call of a forward with ``signature`` (None: unknown, the
-    arguments are taken as given). ``f(x)`` and ``f(x, flag=True)`` share a key when
-    ``True`` is the default."""
-    values: Any = (args, kwargs)
-    if signature is not None:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            pass
-        else:
-            bound.apply_defaults()
-            values = (tuple(bound.arguments.values()), {})
-    leaves: list[Hashable] = []
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            leaves.append(("tensor", tuple(value.shape), str(value.dtype), value.device.type))
-        elif isinstance(value, (list, tuple)):
-            leaves.append(type(value).__name__)
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for key in sorted(value, key=repr):
-                leaves.append(repr(key))
-                visit(value[key])
-        else:
-            leaves.append(repr(value))
-
-    visit(values)
-    return tuple(leaves)
-
-
-def _same_values(key_a: InputKey, key_b: InputKey) -> bool:
-    """Whether two input keys differ in tensor shapes only (same non-tensor values)."""
-    if len(key_a) != len(key_b):
-        return False
-    return all(
-        (isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("tensor",)
-         and a[2:] == b[2:]) or a == b
-        for a, b in zip(key_a, key_b)
-    )
-
-
-def _is_precision(leaf: Hashable) -> bool:
-    return isinstance(leaf, tuple) and leaf[:1] == ("precision",)
-
-
-def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
-    """What differs between two input keys, by kind (``"shapes"``, ``"dtypes"``,
-    ``"precision"``, else ``"arguments"``: the non-tensor values), briefly."""
-    tensors_old = [leaf[1:3] for leaf in old if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
-    tensors_new = [leaf[1:3] for leaf in new if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
-    changes = {}
-    if [t[0] for t in tensors_old] != [t[0] for t in tensors_new]:
-        changes["shapes"] = f"shapes {[list(t[0]) for t in tensors_old]} -> {[list(t[0]) for t in tensors_new]}"
-    if [t[1] for t in tensors_old] != [t[1] for t in tensors_new]:
-        changes["dtypes"] = f"dtypes {[t[1] for t in tensors_old]} -> {[t[1] for t in tensors_new]}"
-    precision_old = [leaf for leaf in old if _is_precision(leaf)]
-    precision_new = [leaf for leaf in new if _is_precision(leaf)]
-    if precision_old != precision_new:
-        def show(leaves: list) -> str:
-            return "/".join(leaves[0][1:]) if leaves else "unknown"
-        changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
-                                f"-> {show(precision_new)}")
-    return changes or {"arguments": "non-tensor arguments"}
-
-
-def shapes_of(key: InputKey) -> list[list[int]]:
-    """The tensor shapes in an input key, in order."""
-    return [list(leaf[1]) for leaf in key if isinstance(leaf, tuple) and leaf[:1] == ("tensor",)]
+__all__ = ["PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
 
 
 def plain_peak_bytes(graph: Graph) -> int:
@@ -203,82 +141,9 @@ def solver_options(solver: str, device: torch.device, offload: bool = True) -> d
     return {"allow_offload": offload and has_host_memory(device)}
 
 
-def autocast_state(device: torch.device) -> str:
-    """``"off"``, or the dtype autocast computes in on ``device``'s type (read at planning
-    time: the strategy plans inside ``training_step``, where Lightning's precision plugin
-    has already entered autocast)."""
-    device_type = torch.device(device).type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4: per-device functions
-        if device_type == "cpu":
-            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-        else:
-            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return str(dtype) if enabled else "off"
-
-
 def parameter_dtypes(module: nn.Module) -> str:
     """The module's parameter dtypes, e.g. ``"torch.float32"`` (sorted, comma separated)."""
     return ",".join(sorted({str(p.dtype) for p in module.parameters()})) or "none"
-
-
-def world_size() -> int:
-    """The number of processes in torch.distributed's default group (1 when there is none)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-class Ranks(Protocol):
-    """The collectives the planner needs from a group of data-parallel processes. Every
-    method is a collective: every rank calls it, in the same order."""
-
-    rank: int
-
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank."""
-        ...
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, by rank."""
-        ...
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        """Rank ``src``'s ``obj`` on every rank."""
-        ...
-
-
-class DistributedRanks:
-    """:class:`Ranks` over ``torch.distributed``'s default process group.
-
-    The agreement runs on a gloo group on the host, so the per-call check costs no device
-    synchronisation; with a gloo default group that group is used as it is."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        self.rank = dist.get_rank()
-        self._group = None
-        if dist.get_backend() != "gloo":
-            # CUDA only (NCCL): a host-side group for the plan exchange; every rank creates it.
-            self._group = dist.new_group(backend="gloo")
-
-    def any(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX, group=self._group)
-        return bool(value.item())
-
-    def gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self._dist.get_world_size(self._group)
-        self._dist.all_gather_object(out, obj, group=self._group)
-        return out
-
-    def broadcast(self, obj: Any, src: int) -> Any:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=src, group=self._group)
-        return box[0]
 
 
 @dataclass(frozen=True)
@@ -411,7 +276,7 @@ class Planner:
         self.on_plan = on_plan
         self.keep_example = keep_example
         self.planned: dict[InputKey, Planned] = {}
-        self.agreed: dict[str, tuple[str, str, bool]] = {}
+        self.agreed: dict[str, SharedPlan] = {}
         """Plans other ranks made for keys this rank has not met yet, by ``repr(key)``."""
         self.last: Planned | None = None
         """The plan of the latest training call."""
@@ -433,13 +298,9 @@ class Planner:
         return self.remat_module(*args, **kwargs)
 
     def key(self, args: tuple, kwargs: dict) -> InputKey:
-        """The call's :func:`input_key` and the precision it runs at: the autocast state and
-        the parameters' dtype (a step at another precision is another input, its plan was
-        profiled at other costs)."""
-        first = next(self.module.parameters(), None)
-        precision = ("precision", autocast_state(torch.device("cpu")),
-                     autocast_state(torch.device("cuda")), "none" if first is None else str(first.dtype))
-        return (precision, *input_key(self._signature, args, kwargs))
+        """The call's :func:`~lightning_remat.inputs.input_key` and the precision it runs at
+        (:func:`~lightning_remat.inputs.precision_leaf`)."""
+        return (precision_leaf(self.module), *input_key(self._signature, args, kwargs))
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new. Under DDP a
@@ -452,28 +313,25 @@ class Planner:
             entry = self.planned.get(key)
         if entry is not None:
             return entry
-        return self._add(args, kwargs, key, self._plan_locally)
+        return self._add(args, kwargs, key)
 
-    def _add(self, args: tuple, kwargs: dict, key: InputKey, make: _PlanMaker,
-             stacklevel: int = 7) -> Planned:
-        """Plan ``key`` (``make`` gives the graph, plan and whether it came from a store) and
-        make it the variant its calls run."""
+    def _add(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None = None) -> Planned:
+        """Plan ``key`` and make it the variant its calls run. ``exchange``: the talk with
+        the other ranks about this key (None: this rank plans it for itself)."""
         changes = key_changes(next(reversed(self.planned)), key) if self.planned else {}
         if changes.keys() - self._warned_about:
             # Once per kind of change: a run of short last batches warns once, a later change
             # of dtype or precision warns again.
             self._warned_about |= changes.keys()
-            warnings.warn(
+            warn_caller(
                 "lightning_remat: the inputs differ from the ones the plan was made for "
                 f"({'; '.join(changes.values())}); re-planning for them (each new input is "
-                "planned once and cached)",
-                # The caller of the module: _add < planned_for < _select < forward < nn.Module x2.
-                stacklevel=stacklevel,
+                "planned once and cached)"
             )
         self.busy = True
         try:
             with sharded_gradients_kept(self.module):
-                entry = self._plan(args, kwargs, key, make)
+                entry = self._plan(args, kwargs, key, exchange)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -482,6 +340,7 @@ class Planner:
             self.on_plan(entry)
         return entry
 
+    # ---- the ranks agree ------------------------------------------------------------------
     def _agree(self, args: tuple, kwargs: dict, new_key: InputKey | None) -> None:
         """Every rank: gather the keys new somewhere, have the lowest rank holding each plan
         it and broadcast the plan; plan this rank's own new key with the agreed plan."""
@@ -491,79 +350,57 @@ class Planner:
         for rank, key in enumerate(keys):
             if key is not None:
                 owners.setdefault(repr(key), rank)
-        for key_repr, owner in sorted(owners.items()):
+        for key_text, owner in sorted(owners.items()):
+            exchange = Exchange(self.ranks, owner)
             if self.sharding != "none":
-                self._plan_together(args, kwargs, new_key, owner)
-            elif owner == self.ranks.rank:
-                assert new_key is not None and repr(new_key) == key_repr
-                self._plan_and_share(args, kwargs, new_key)
+                self._plan_together(args, kwargs, new_key, exchange)
+            elif exchange.mine:
+                assert new_key is not None and repr(new_key) == key_text
+                self._plan_and_share(args, kwargs, new_key, exchange)
             else:
-                payload = self.ranks.broadcast(None, owner)
-                if payload[0] == "error":
-                    _raise_shared_error(payload, owner)
-                self.agreed[key_repr] = payload
+                self.agreed[key_text] = exchange.receive(SharedPlan)
 
-    def _plan_together(self, args: tuple, kwargs: dict, new_key: InputKey | None, owner: int) -> None:
+    def _plan_together(self, args: tuple, kwargs: dict, new_key: InputKey | None,
+                       exchange: Exchange) -> None:
         """Sharded ranks: every rank traces (and, unless the owner holds a stored plan,
         profiles) the owner's new key together, on the owner's inputs, since FSDP gathers
         parameters inside each unit's call; the owner solves and broadcasts the plan, and
         every rank applies it. The owner's measurements decide, as under DDP."""
-        assert self.ranks is not None
-        ranks = self.ranks
-        device = module_device(self.module, args)
-        mine = owner == ranks.rank
-        shared = (move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")), new_key) if mine else None
-        call, key = ranks.broadcast(shared, owner)
-        if mine:
-            self._plan_and_share(args, kwargs, key, before_profile=lambda: ranks.broadcast(("profile",), owner))
+        if exchange.mine:
+            assert new_key is not None
+            call = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu"))
+            exchange.send(SharedCall(*call, key=new_key))
+            self._plan_and_share(args, kwargs, new_key, exchange)
             return
-        call_args, call_kwargs = move_to_device(call, device)
+        shared = exchange.receive(SharedCall)
+        device = module_device(self.module, args)
+        call_args, call_kwargs = move_to_device((shared.args, shared.kwargs), device)
+        self._add(call_args, call_kwargs, shared.key, exchange)
 
-        def follow(args: tuple, kwargs: dict, key: InputKey, traced: Traced,
-                   basis: PlanBasis) -> tuple[Graph, Plan, bool]:
-            payload = ranks.broadcast(None, owner)
-            if payload[0] == "profile":
-                # This rank's share of FSDP's collectives while the owner profiles.
-                profile_module(self.module, args, example_kwargs=kwargs or None,
-                               repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
-                               traced=traced, loss_fn=self.loss_fn)
-                payload = ranks.broadcast(None, owner)
-            if payload[0] == "error":
-                _raise_shared_error(payload, owner)
-            graph_json, plan_json, from_cache = payload
-            return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
-
-        self._add(call_args, call_kwargs, key, follow, stacklevel=9)
-
-    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey,
-                        before_profile: Callable[[], None] | None = None) -> None:
-        """Plan this rank's new ``key`` and broadcast the plan, or the error that stopped it
-        (the other ranks wait in the broadcast and must not hang). ``before_profile``: called
-        when no stored plan is found, just before profiling (sharded ranks profile together)."""
-        assert self.ranks is not None
-        ranks, shared = self.ranks, []
-
-        def share(args: tuple, kwargs: dict, key: InputKey, traced: Traced,
-                  basis: PlanBasis) -> tuple[Graph, Plan, bool]:
-            graph, plan, from_cache = self._plan_locally(args, kwargs, key, traced, basis,
-                                                         before_profile=before_profile)
-            shared.append(True)
-            ranks.broadcast((graph.to_json(), plan.to_json(), from_cache), ranks.rank)
-            return graph, plan, from_cache
-
+    def _plan_and_share(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange) -> None:
+        """The owner: plan ``key`` and broadcast the plan, or the error that stopped it (the
+        other ranks wait in the broadcast and must not hang)."""
         try:
-            self._add(args, kwargs, key, share, stacklevel=9)  # < _plan_and_share < _agree
+            self._add(args, kwargs, key, exchange)
         except Exception as exc:
-            if not shared:
-                infeasible = ((exc.budget_bytes, exc.min_budget_bytes, exc.tried)
-                              if isinstance(exc, RematInfeasibleError) else None)
-                ranks.broadcast(("error", f"{type(exc).__name__}: {exc}", infeasible), ranks.rank)
+            exchange.fail(exc)
             raise
+
+    def _follow(self, args: tuple, kwargs: dict, traced: Traced, exchange: Exchange) -> tuple[Graph, Plan, bool]:
+        """A sharded rank that does not own the key: profile when the owner does (this
+        rank's share of FSDP's collectives), then take the owner's plan."""
+        message = exchange.receive(ProfileTogether, SharedPlan)
+        if isinstance(message, ProfileTogether):
+            profile_module(self.module, args, example_kwargs=kwargs or None,
+                           repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
+                           traced=traced, loss_fn=self.loss_fn)
+            message = exchange.receive(SharedPlan)
+        return message.unpack()
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
         if not training and self.last is not None:
             key = self.key(args, kwargs)
-            if key not in self.planned and _same_values(key, self.last.key):
+            if key not in self.planned and same_values(key, self.last.key):
                 # Nothing is recomputed here and the traced code is shape-generic: an
                 # evaluation batch of another size needs no plan of its own.
                 return self.last.variant
@@ -571,7 +408,7 @@ class Planner:
         return self.last.variant
 
     # ---- planning one input ---------------------------------------------------------------
-    def _plan(self, args: tuple, kwargs: dict, key: InputKey, make: _PlanMaker) -> Planned:
+    def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:
         module, settings = self.module, self.settings
         device = module_device(module, args)
         options = solver_options(settings.solver, device, settings.offload)
@@ -581,28 +418,32 @@ class Planner:
         with preserved_state(module, [device]):
             traced = (self.tracer or trace_module)(module, args, kwargs)
         basis = PlanBasis(
-            graph_hash=traced.graph.graph_hash(),
-            input_key=repr(tuple(leaf for leaf in key if not _is_precision(leaf))),
+            graph_hash=traced.graph.graph_hash(), input_key=repr(without_precision(key)),
             device_name=device_name(device), budget=repr(settings.memory_budget),
             solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
             param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
             world_size=str(world_size()), sharding=self.sharding,
         )
-        graph, plan, from_cache = make(args, kwargs, key, traced, basis)
+        if exchange is not None and not exchange.mine:
+            graph, plan, from_store = self._follow(args, kwargs, traced, exchange)
+        else:
+            graph, plan, from_store = self._plan_locally(args, kwargs, key, traced, basis, exchange)
+            if exchange is not None:
+                exchange.send(SharedPlan.of(graph, plan, from_store))
         variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
         variant.budget_bytes = settings.budget_bytes(graph, device)
-        variant.from_cache = from_cache
+        variant.from_cache = from_store
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
         return Planned(key, variant, self.remat_module, example, basis)
 
     def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Traced,
-                      basis: PlanBasis, before_profile: Callable[[], None] | None = None,
-                      ) -> tuple[Graph, Plan, bool]:
+                      basis: PlanBasis, exchange: Exchange | None = None) -> tuple[Graph, Plan, bool]:
         """The graph and plan for ``key``: agreed by the ranks, restored from a checkpoint,
-        cached, or profiled and solved here; and whether it came from such a store."""
+        cached, or profiled and solved here; and whether it came from such a store.
+        ``exchange``: the owner's talk with the ranks waiting for the plan (sharded ranks
+        profile with it)."""
         if repr(key) in self.agreed:
-            graph_json, plan_json, from_cache = self.agreed[repr(key)]
-            return Graph.from_json(graph_json), Plan.from_json(plan_json), from_cache
+            return self.agreed[repr(key)].unpack()
         stored, explained = self._restored_for(repr(key), basis)
         if stored is not None:
             return Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json), True
@@ -614,8 +455,8 @@ class Planner:
                 self._say_why_not(basis, self.cache.bases(), "plan cache")
         module, settings = self.module, self.settings
         device = module_device(module, args)
-        if before_profile is not None:
-            before_profile()
+        if exchange is not None and self.sharding != "none":
+            exchange.send(ProfileTogether())
         note = self.progress or (lambda line: None)
         started = self._plan_started or time.perf_counter()
         if self.profiler is not None:
@@ -674,7 +515,7 @@ class Planner:
         known = [c.basis for c in candidates if c.basis is not None]
         if known:
             return None, self._say_why_not(basis, known, "checkpoint", same_inputs=False)
-        warnings.warn(describe_change(None, basis, "checkpoint"), stacklevel=3)
+        warn_caller(describe_change(None, basis, "checkpoint"))
         return None, True
 
     def _say_why_not(self, basis: PlanBasis, others: list[PlanBasis], source: str,
@@ -690,19 +531,8 @@ class Planner:
             return False
         names = [f.name for f in dataclasses.fields(PlanBasis)]
         nearest = min(near, key=lambda b: sum(getattr(b, n) != getattr(basis, n) for n in names))
-        warnings.warn(describe_change(nearest, basis, source), stacklevel=3)
+        warn_caller(describe_change(nearest, basis, source))
         return True
-
-
-def _raise_shared_error(payload: tuple, owner: int) -> None:
-    """Raise, on a rank that waited for it, the error that stopped rank ``owner`` planning:
-    the same :class:`RematInfeasibleError` when no plan fit (a batch-size trial records it as
-    infeasible on every rank), else a RuntimeError naming it."""
-    infeasible = payload[2] if len(payload) > 2 else None
-    if infeasible is not None:
-        raise RematInfeasibleError(*infeasible)
-    raise RuntimeError(f"lightning_remat: rank {owner} could not plan its input ({payload[1]}); "
-                       "every rank stops with it")
 
 
 Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
@@ -717,10 +547,6 @@ def planning_summary(seconds: float, step_seconds: float | None, profile_seconds
     steps = f" ({seconds / step_seconds:.1f} plain steps)" if step_seconds else ""
     parts = f"; {profile_label} {profile_seconds:.1f} s" if profile_seconds is not None else ""
     return f"planning took {seconds:.1f} s{steps}{parts}"
-
-
-_PlanMaker = Callable[[tuple, dict, InputKey, Traced, PlanBasis], tuple[Graph, Plan, bool]]
-"""Makes the graph and plan of one input (``Planner._plan_locally``, or that and a broadcast)."""
 
 
 def remat(

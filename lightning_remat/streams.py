@@ -23,11 +23,11 @@ CPU tests run the logic around them through this stand-in or through fakes of
   pinned buffers, allocator counters);
 - ``runtime/offload.py``: ``measure_bandwidth``'s CUDA branch with real events and pinned
   memory (``_cuda_bandwidth``'s device and stream handling runs on fakes);
-- ``graph/profile.py``: ``_Clock``'s CUDA events, its ``torch.cuda._sleep`` backlog and
+- ``graph/instruments.py``: ``Clock``'s CUDA events, its ``torch.cuda._sleep`` backlog and
   ``_dispatch_backlog_cycles`` (the timing logic runs on a simulated timeline);
 - ``lightning/memory_timeline.py``: the allocator counter reads (run on fakes);
 - ``lightning/batch_size.py``: ``max_memory_reserved`` and the step-time synchronise;
-- ``planner.py``: ``DistributedRanks``' extra gloo group under NCCL;
+- ``messages.py``: ``DistributedRanks``' extra gloo group under NCCL;
 - ``device.py``: ``default_budget``'s ``mem_get_info`` and counters, ``device_name``.
 """
 

@@ -44,8 +44,8 @@ from torch import nn
 
 from lightning_remat.cache import default_cache_dir, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
-from lightning_remat.errors import RematInfeasibleError
-from lightning_remat.planner import Ranks
+from lightning_remat.errors import RematInfeasibleError, warn_caller
+from lightning_remat.messages import Ranks
 
 PARAM = "batch_size"
 """The one parameter of a batch-size study."""
@@ -502,11 +502,10 @@ def run_search(
     records = finished_records(study)
     br = bracket([(r.batch_size, r.feasible) for r in records])
     if not br.monotone:
-        warnings.warn(
+        warn_caller(
             f"lightning-remat batch-size search ({label}): a size above the smallest infeasible "
             f"one ({br.smallest_infeasible}) was feasible; measurements near the budget are noisy. "
-            "The answer trusts the smallest infeasible size.", stacklevel=2,
-        )
+            "The answer trusts the smallest infeasible size.")
     feasible = [r for r in records if r.feasible]
     return SearchResult(
         label=label, solver=solver,
@@ -522,6 +521,30 @@ def run_search(
 
 class TrialFailedOnRank(RuntimeError):
     """A trial raised on some rank (every rank raises it together, from the same gather)."""
+
+
+# What rank zero broadcasts to the other ranks while it searches (:func:`run_search_across_ranks`).
+
+
+@dataclass(frozen=True)
+class TrialAt:
+    """Run the trial at ``batch_size`` (every rank runs it: FSDP's collectives need all)."""
+
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class SearchDone:
+    """The search ended with ``result``, which every rank returns."""
+
+    result: SearchResult
+
+
+@dataclass(frozen=True)
+class SearchStopped:
+    """Rank zero's search raised ``error`` (``"TypeName: message"``); every rank stops."""
+
+    error: str
 
 
 def combine_trials(results: Sequence[TrialResult]) -> TrialResult:
@@ -560,17 +583,17 @@ def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any)
     returns rank zero's result. ``search_args``: :func:`run_search`'s keywords."""
     if ranks.rank != 0:
         while True:
-            kind, value = ranks.broadcast(None, 0)
-            if kind == "trial":
-                _trial_on_every_rank(trial_fn, value, ranks)
-            elif kind == "done":
-                return value
+            message: TrialAt | SearchDone | SearchStopped = ranks.broadcast(None, 0)
+            if isinstance(message, TrialAt):
+                _trial_on_every_rank(trial_fn, message.batch_size, ranks)
+            elif isinstance(message, SearchDone):
+                return message.result
             else:
-                raise RuntimeError(f"lightning_remat: rank 0's batch-size search stopped ({value}); "
-                                   "every rank stops with it")
+                raise RuntimeError(f"lightning_remat: rank 0's batch-size search stopped "
+                                   f"({message.error}); every rank stops with it")
 
     def lead(batch_size: int) -> TrialResult:
-        ranks.broadcast(("trial", batch_size), 0)
+        ranks.broadcast(TrialAt(batch_size), 0)
         return _trial_on_every_rank(trial_fn, batch_size, ranks)
 
     try:
@@ -578,9 +601,9 @@ def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any)
     except TrialFailedOnRank:
         raise  # every rank raised it
     except BaseException as exc:
-        ranks.broadcast(("error", f"{type(exc).__name__}: {exc}"), 0)
+        ranks.broadcast(SearchStopped(f"{type(exc).__name__}: {exc}"), 0)
         raise
-    ranks.broadcast(("done", result), 0)
+    ranks.broadcast(SearchDone(result), 0)
     return result
 
 
@@ -631,11 +654,10 @@ def _fail_stale_trials(study: Study, storage: optuna.storages.BaseStorage, label
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
         storage.set_trial_state_values(trial_id, TrialState.FAIL)
     sizes = [t.params.get(PARAM) for t in stale]
-    warnings.warn(
+    warn_caller(
         f"lightning-remat batch-size search ({label}): {len(stale)} trial(s) of study "
         f"{study.study_name!r} were left running by an interrupted search (batch sizes {sizes}); "
-        "marked them failed, their sizes run again", stacklevel=3,
-    )
+        "marked them failed, their sizes run again")
 
 
 def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import lightning_remat.planner as planner_module
+from lightning_remat.inputs import shapes_of
 from lightning_remat.lightning.strategy import RematDDPStrategy
-from lightning_remat.planner import Planner, PlanSettings, shapes_of
+from lightning_remat.planner import Planner, PlanSettings
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_remat. the inputs differ")

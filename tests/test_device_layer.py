@@ -215,11 +215,11 @@ class SimulatedCudaTimeline:
 
 
 def test_cuda_op_times_exclude_the_python_dispatch_before_the_kernel(monkeypatch):
-    from lightning_remat.graph.profile import _Clock
+    from lightning_remat.graph.instruments import Clock
 
     timeline = SimulatedCudaTimeline(dispatch=30e-6)
     timeline.install(monkeypatch)
-    clock = _Clock(torch.device("cuda", 0), backlog_cycles=int(4 * 30e-6 * 1e9))
+    clock = Clock(torch.device("cuda", 0), backlog_cycles=int(4 * 30e-6 * 1e9))
     for kernel in (2e-6, 50e-6, 400e-6):
         start = clock.begin()
         timeline.run_op(kernel)

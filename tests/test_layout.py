@@ -15,10 +15,13 @@ PACKAGE = Path(lightning_remat.__file__).parent
 FLOW: list[tuple[str, ...]] = [
     ("budget",),
     ("errors",),
+    ("inputs",),
     ("device", "meter", "streams"),
     ("graph.ir",),
     ("graph.ops",),
     ("graph.trace",),
+    ("graph.instruments",),
+    ("graph.opmeter",),
     ("graph.profile",),
     ("graph.scale",),
     ("solvers.plan",),
@@ -34,6 +37,7 @@ FLOW: list[tuple[str, ...]] = [
     ("runtime.offload", "runtime.stages", "runtime.hooked"),
     ("runtime.module",),
     ("cache",),
+    ("messages",),
     ("planner",),
     ("tuning",),
     ("report",),
@@ -50,8 +54,8 @@ FLOW: list[tuple[str, ...]] = [
 EMPTY_PACKAGES = ("graph", "runtime", "lightning")
 """Package ``__init__`` files that only name their folder (they import nothing)."""
 
-LIGHTNING_FREE = ("budget", "errors", "device", "meter", "graph", "solvers", "runtime", "cache",
-                  "planner", "tuning", "report")
+LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "graph", "solvers", "runtime",
+                  "cache", "messages", "planner", "tuning", "report")
 """Modules that must work without Lightning (the solvers are algorithms over the graph IR)."""
 
 LONG = 500

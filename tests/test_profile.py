@@ -7,6 +7,7 @@ from torch import nn
 from lightning_remat.cli import main
 from lightning_remat.device import is_out_of_memory
 from lightning_remat.graph import profile as profile_mod
+from lightning_remat.graph.instruments import OpRecord
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
@@ -379,7 +380,7 @@ def test_one_out_of_memory_test_knows_every_allocator():
 
 
 def _record(**times):
-    record = profile_mod._Record()
+    record = OpRecord()
     for vid, t in times.items():
         record.t_fwd[vid] = t
     return record

@@ -8,6 +8,7 @@ Plan; where the project's own ``auto`` solver is available it is exercised too.
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 import warnings
 from typing import Any
@@ -279,6 +280,16 @@ def test_a_new_input_shape_replans_once_and_warns_once() -> None:
         module.zero_grad()
     batches = [((torch.randint(0, 50, (2, 16)),), {}) for _ in range(2)]
     train_side_by_side(model, remat_model, plain, batches)
+
+
+def test_the_replanning_warning_points_at_the_line_that_called_the_module() -> None:
+    # Raised deep in the planner, under torch's Module.__call__: shown at the user's line.
+    remat_model = remat(tiny_lm(), torch.randint(0, 50, (2, 8)))
+    with pytest.warns(UserWarning, match="re-planning") as caught:
+        line = inspect.currentframe().f_lineno + 1
+        remat_model(torch.randint(0, 50, (2, 16)))
+    warning = next(w for w in caught if "re-planning" in str(w.message))
+    assert (warning.filename, warning.lineno) == (__file__, line)
 
 
 def test_a_budget_in_bytes_holds_for_every_new_shape() -> None:

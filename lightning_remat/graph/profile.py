@@ -25,25 +25,24 @@ Profiling does not change training: buffers (BatchNorm running statistics), trai
 the RNG state and existing ``.grad`` tensors are restored afterwards; parameters are only read
 (no optimizer step runs).
 
-Length: the normal and the memory-safe mode measure with the same interpreter, clocks,
-workspace readings and backward hooks, so both stay in one module.
+This module runs the steps and builds the graph from what they measured; the op-by-op
+measurement is :mod:`lightning_remat.graph.opmeter`'s (the normal and the memory-safe mode
+share it), the clocks, workspace readings and backward hooks it reads are
+:mod:`lightning_remat.graph.instruments`'.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -53,7 +52,10 @@ from lightning_remat.device import (
     module_device,
     preserved_state,
 )
+from lightning_remat.errors import warn_caller
+from lightning_remat.graph.instruments import Clock, OpRecord, output_bytes, storage_of
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.opmeter import NodeProfiler, OpMeter, SubmoduleProfiler
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
@@ -61,7 +63,6 @@ from lightning_remat.graph.trace import (
     as_tuple,
     call_through,
     default_loss,
-    is_getitem,
     trace_module,
 )
 from lightning_remat.meter import StorageMeter, peak_bytes, tensors_in
@@ -69,523 +70,6 @@ from lightning_remat.meter import StorageMeter, peak_bytes, tensors_in
 __all__ = ["profile_module"]
 
 LossFn = Callable[[Any], torch.Tensor]
-_INPUT = "<input>"
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """(data pointer, bytes) of a tensor's storage; a storage-less tensor counts its own bytes."""
-    try:
-        st = t.untyped_storage()
-        if st.nbytes() == 0:  # empty tensors share address 0: give each its own key
-            return -id(t), 0
-        return st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError):  # pragma: no cover - sparse/nested tensors
-        return id(t), t.numel() * t.element_size()
-
-
-def _output_bytes(value: Any) -> int:
-    """Bytes of a value's tensors, each storage counted once and at most its own size."""
-    per_storage: dict[int, list[int]] = {}
-    for t in tensors_in(value):
-        ptr, size = _storage(t)
-        entry = per_storage.setdefault(ptr, [size, 0])
-        entry[1] += t.numel() * t.element_size()
-    return sum(min(size, views) for size, views in per_storage.values())
-
-
-# ---- clocks ---------------------------------------------------------------------------------
-
-
-class _Clock:
-    """Timestamps resolved after a synchronise: perf_counter on CPU, CUDA events on GPU.
-
-    An event recorded on an idle GPU completes at once, so the op's time would include the
-    Python dispatch before its kernel is queued, which dominates small ops. :meth:`begin`
-    first queues a spin of the device (``torch.cuda._sleep``) longer than that dispatch, as
-    measured once per device (:func:`_dispatch_backlog_cycles`): the start event then runs
-    after the spin, when the op's kernels are already queued behind it, and the pair times
-    the kernels alone."""
-
-    def __init__(self, device: torch.device, backlog_cycles: int | None = None) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._backlog_cycles = backlog_cycles
-
-    def begin(self) -> Any:
-        """The start of a timed op (on CUDA behind a backlog that outlasts the dispatch)."""
-        if self.cuda:
-            if self._backlog_cycles is None:
-                self._backlog_cycles = _dispatch_backlog_cycles(self.device)
-            torch.cuda._sleep(self._backlog_cycles)  # CUDA only: the device busy while Python dispatches
-        return self.mark()
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)  # CUDA only
-            event.record()  # CUDA only
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            return start.elapsed_time(end) / 1e3  # CUDA only
-        return end - start
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)  # CUDA only
-
-
-_BACKLOG_CYCLES: dict[str, int] = {}
-
-
-def _dispatch_backlog_cycles(device: torch.device, safety: float = 4.0) -> int:
-    """CUDA only: device cycles that outlast ``safety`` times the host's dispatch of a small
-    op: the dispatch measured with perf_counter, the device's cycles per second with events
-    around a known spin."""
-    key = str(device)
-    if key not in _BACKLOG_CYCLES:
-        with torch.cuda.device(device):
-            probe = torch.zeros(1, device=device)
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for _ in range(50):
-                probe.add_(1)
-            dispatch_s = (time.perf_counter() - started) / 50
-            spin = 1_000_000
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(spin)
-            end.record()
-            end.synchronize()
-            cycles_per_s = spin / max(start.elapsed_time(end) / 1e3, 1e-9)
-        _BACKLOG_CYCLES[key] = max(1000, int(safety * dispatch_s * cycles_per_s))
-    return _BACKLOG_CYCLES[key]
-
-
-class _Workspace:
-    """Peak bytes during an op above max(before, after): the op's temporary workspace.
-
-    CUDA: the caching allocator's peak counter. CPU: the :class:`~lightning_remat.meter.StorageMeter`
-    the step runs under (docs/design.md section 6): the tensors an op creates and frees
-    before it returns; without one (the timed steps, which run without the meter's per-op
-    cost) it reads 0.
-    """
-
-    def __init__(self, device: torch.device, meter: StorageMeter | None = None) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.meter = meter
-        self.enabled = self.cuda or meter is not None
-
-    def start(self) -> int:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        if self.meter is None:
-            return 0
-        self.meter.reset_peak()
-        return self.meter.live
-
-    def stop(self, before: int) -> int:
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            after = torch.cuda.memory_allocated(self.device)
-        elif self.meter is None:
-            return 0
-        else:
-            peak, after = self.meter.peak, self.meter.live
-        return max(0, int(peak - max(before, after)))
-
-
-# ---- what one measured step records ------------------------------------------------------------
-
-
-@dataclass
-class _Record:
-    """Costs seen in one step, keyed by vertex id."""
-
-    mem: dict[str, int] = field(default_factory=dict)
-    numel: dict[str, int] = field(default_factory=dict)
-    saved_ptrs: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
-    saved_refs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    saved_input: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    aliases: dict[str, str] = field(default_factory=dict)
-    resident_views: set[str] = field(default_factory=set)
-    requires_grad: dict[str, bool] = field(default_factory=dict)
-    t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    ws_bwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    pending: list[tuple[str, str, Any, Any]] = field(default_factory=list)
-    """(vertex, 'fwd'|'bwd', start mark, end mark) to resolve after a synchronise."""
-
-    def root(self, vid: str) -> str:
-        """The vertex that owns the storage of ``vid``'s output."""
-        return self.aliases.get(vid, vid)
-
-    def resolve(self, clock: _Clock) -> None:
-        clock.sync()
-        for vid, phase, start, end in self.pending:
-            if start is None or end is None:
-                continue
-            target = self.t_fwd if phase == "fwd" else self.t_bwd
-            target[vid] += clock.seconds(start, end)
-        self.pending.clear()
-
-
-class _BackwardTimer:
-    """Hooks on the autograd nodes an op created, charging their time and workspace to it."""
-
-    def __init__(self, clock: _Clock, workspace: _Workspace) -> None:
-        self.clock = clock
-        self.workspace = workspace
-        self.claimed: set[Any] = set()
-        self.skip_leaves: set[int] = set()
-
-    def attach(self, vid: str, outputs: Iterable[torch.Tensor], record: _Record) -> None:
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            fn = stack.pop()
-            if fn in self.claimed:
-                continue
-            self.claimed.add(fn)
-            variable = getattr(fn, "variable", None)
-            if variable is not None and id(variable) in self.skip_leaves:
-                continue  # gradient of a detached copy made by the safe mode
-            self._hook(vid, fn, record)
-            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-
-    def _hook(self, vid: str, fn: Any, record: _Record) -> None:
-        state: dict[str, Any] = {}
-
-        def pre(grad_outputs: Any) -> None:
-            state["ws"] = self.workspace.start()
-            state["start"] = self.clock.begin()
-
-        def post(grad_inputs: Any, grad_outputs: Any) -> None:
-            end = self.clock.mark()
-            record.ws_bwd[vid] = max(record.ws_bwd[vid], self.workspace.stop(state.get("ws", 0)))
-            record.pending.append((vid, "bwd", state.get("start"), end))
-
-        try:
-            fn.register_prehook(pre)
-            fn.register_hook(post)
-        except (RuntimeError, AttributeError):  # pragma: no cover - nodes without hooks
-            pass
-
-    def clear(self) -> None:
-        self.claimed.clear()
-        self.skip_leaves.clear()
-
-
-# ---- node-by-node interpreter ---------------------------------------------------------------------
-
-
-class _OpMeter:
-    """Measures one op's forward (time, workspace, output bytes, what autograd saves, which
-    vertex each output storage belongs to) and hooks its backward; shared by the fx
-    interpreter and the fallback's submodule profiler."""
-
-    def __init__(self, device: torch.device, excluded_ptrs: set[int], safe: bool, rounds: int,
-                 meter: StorageMeter | None = None) -> None:
-        self.clock = _Clock(device)
-        self.workspace = _Workspace(device, meter)
-        self.timer = _BackwardTimer(self.clock, self.workspace)
-        self.excluded = excluded_ptrs
-        self.safe = safe
-        self.records = [_Record() for _ in range(rounds)]
-
-    @property
-    def record(self) -> _Record:
-        return self.records[0]
-
-    def measure_op(self, rec: _Record, vid: str, run: Callable[[], Any], labels: dict[int, str],
-                   elements: Callable[[Any], Iterator[tuple[str, Any]]] | None) -> Any:
-        """Run ``run()`` as vertex ``vid``'s op. ``labels``: input storage -> the vertex (or
-        the input) it came from. ``elements``: for a tuple producer, (vertex, element) of
-        its output; None when the op's output is the vertex's own."""
-        packed: list[tuple[int, int]] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(_storage(t))
-            return t
-
-        ws_before = self.workspace.start()
-        start = self.clock.begin()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run()
-        end = self.clock.mark()
-        rec.ws_fwd[vid] = max(rec.ws_fwd[vid], self.workspace.stop(ws_before))
-        rec.pending.append((vid, "fwd", start, end))
-
-        # Which vertex each output storage belongs to: this node's own, or for a tuple
-        # producer the getitem vertex that picks the element.
-        own: dict[int, list[str]] = defaultdict(list)
-        if elements is None:
-            for t in tensors_in(out):
-                own[_storage(t)[0]].append(vid)
-            rec.mem[vid] = _output_bytes(out)
-            rec.requires_grad[vid] = any(t.requires_grad for t in tensors_in(out))
-            rec.numel[vid] = sum(t.numel() for t in tensors_in(out))
-        else:
-            for owner, element in elements(out):
-                for t in tensors_in(element):
-                    own[_storage(t)[0]].append(owner)
-        # Views and in-place results share an earlier vertex's storage: record the vertex
-        # that owns it (the alias root), or that it is the storage of an input/parameter.
-        for ptr, owners in own.items():
-            source = labels.get(ptr)
-            for k, owner in enumerate(dict.fromkeys(owners)):
-                if ptr in self.excluded or source == _INPUT:
-                    rec.resident_views.add(owner)
-                elif source is not None and source != owner:
-                    rec.aliases[owner] = rec.root(source)
-                elif k > 0:
-                    rec.aliases[owner] = rec.root(owners[0])
-
-        saved_here = rec.saved_ptrs[vid]
-        for ptr, size in packed:
-            if ptr in self.excluded or ptr in saved_here:
-                continue
-            saved_here[ptr] = size
-            ref = own[ptr][0] if own.get(ptr) else labels.get(ptr)
-            if ref == _INPUT:
-                rec.saved_input[vid] += size
-            elif ref is not None and rec.root(ref) not in rec.saved_refs[vid]:
-                rec.saved_refs[vid].append(rec.root(ref))
-        self.timer.attach(vid, tensors_in(out), rec)
-        return out
-
-
-class _Profiler(fx.Interpreter, _OpMeter):
-    """Runs the traced forward node by node, measuring each compute node (docs/design.md section 3).
-
-    ``safe=False``: one real step; ``run`` returns the output for the loss.
-    ``safe=True``: the forward runs under ``no_grad``; each compute node is first measured
-    ``rounds`` times on detached inputs with grad enabled, its own backward included.
-    """
-
-    def __init__(self, traced: Traced, device: torch.device, excluded_ptrs: set[int],
-                 safe: bool = False, rounds: int = 1, meter: StorageMeter | None = None) -> None:
-        fx.Interpreter.__init__(self, traced.runner)
-        _OpMeter.__init__(self, device, excluded_ptrs, safe, rounds, meter)
-        self.traced = traced
-        self.charge = traced.charge
-        ids = set(traced.graph.ids)
-        self.vertex_of = {name: vid for name, vid in traced.charge.items() if vid in ids and name == vid}
-        self.requires_grad: dict[str, Any] = {}
-        """Safe mode: per node, the pytree of requires_grad flags of its grad-enabled output."""
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.name not in self.charge:
-            return super().run_node(n)
-        if not self.safe:
-            return self._measure(n, self.records[0], prepare=None)
-        for rec in self.records:
-            self._measure_alone(n, rec)
-        with torch.no_grad():
-            return super().run_node(n)
-
-    # -- one op ----------------------------------------------------------------------------
-    def _label(self, a: fx.Node) -> str | None:
-        if a.name in self.vertex_of:
-            return self.vertex_of[a.name]
-        if a.op == "placeholder":
-            return _INPUT
-        return None
-
-    def _measure(self, n: fx.Node, rec: _Record, prepare: Callable[[fx.Node, Any], Any] | None) -> Any:
-        vid = self.charge[n.name]
-        labels: dict[int, str] = {}
-
-        def fetch(a: fx.Node) -> Any:
-            value = self.env[a]
-            if prepare is not None:
-                value = prepare(a, value)
-            label = self._label(a)
-            if label is not None:
-                for t in tensors_in(value):
-                    labels.setdefault(_storage(t)[0], label)
-            return value
-
-        args = fx.node.map_arg(n.args, fetch)
-        kwargs = fx.node.map_arg(n.kwargs, fetch)
-        elements = None if n.name in self.vertex_of else (lambda out: self._elements(n, out))
-        return self.measure_op(rec, vid, lambda: getattr(self, n.op)(n.target, args, kwargs),
-                               labels, elements)
-
-    def _elements(self, n: fx.Node, value: Any) -> Iterator[tuple[str, Any]]:
-        """(vertex id, element) for the getitem vertices under a tuple producer, nested
-        tuples (an LSTM's ``(out, (h, c))``) included."""
-        for user in n.users:
-            if not is_getitem(user):
-                continue
-            element = value[user.args[1]]
-            if user.name in self.vertex_of:
-                yield self.vertex_of[user.name], element
-            elif isinstance(element, (tuple, list)):
-                yield from self._elements(user, element)
-
-    def _measure_alone(self, n: fx.Node, rec: _Record) -> None:
-        """Safe mode: forward and backward of one node from detached copies of its inputs."""
-        inplace = _looks_inplace(n, self.module)
-        try:
-            self._measure_copy(n, rec, inplace)
-        except RuntimeError as exc:
-            # An in-place op the name did not reveal: autograd refuses it on a leaf.
-            if inplace or "in-place" not in str(exc):
-                raise
-            self.timer.clear()
-            self._measure_copy(n, rec, inplace=True)
-
-    def _measure_copy(self, n: fx.Node, rec: _Record, inplace: bool) -> None:
-        copies: set[int] = set()
-
-        def prepare(a: fx.Node, value: Any) -> Any:
-            if a.op in ("placeholder", "get_attr") or a.name not in self.requires_grad:
-                return value
-            flags = self.requires_grad[a.name]
-
-            def detach(t: Any, flag: Any) -> Any:
-                if not isinstance(t, torch.Tensor):
-                    return t
-                leaf = t.detach()
-                if inplace:
-                    leaf = leaf.clone()
-                if flag:
-                    leaf.requires_grad_(True)
-                    copies.add(id(leaf))
-                    if inplace:  # in-place ops refuse leaves that require grad
-                        leaf = leaf.clone()
-                        self.timer.claimed.add(leaf.grad_fn)
-                return leaf
-
-            return pytree.tree_map(detach, value, flags) if flags is not None else value
-
-        self.timer.skip_leaves = copies
-        with torch.enable_grad():
-            out = self._measure(n, rec, prepare)
-        outputs = [t for t in tensors_in(out) if t.requires_grad]
-        self.requires_grad[n.name] = pytree.tree_map(
-            lambda t: t.requires_grad if isinstance(t, torch.Tensor) else None, out
-        )
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        rec.resolve(self.clock)
-        self.timer.clear()
-        del out, outputs
-
-
-class _SubmoduleProfiler(_OpMeter):
-    """The fallback's profiler (``Traced.kind == "children"``): the model's own forward runs,
-    and each vertex submodule is measured where the forward calls it (its ``forward``
-    replaced for the run), as the executor of :mod:`lightning_remat.runtime.hooked` wraps
-    it. Safe mode: the forward runs under ``no_grad`` and each submodule is measured
-    ``rounds`` times on detached inputs with grad enabled, its own backward included."""
-
-    def __init__(self, traced: Traced, module: nn.Module, device: torch.device,
-                 excluded_ptrs: set[int], safe: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> None:
-        super().__init__(device, excluded_ptrs, safe, rounds, meter)
-        self.traced, self.module = traced, module
-        self.labels: dict[int, str] = {}
-        """Storage -> the vertex that produced it (or the input)."""
-
-    def run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        for t in tensors_in((list(inputs), kwargs)):
-            self.labels[_storage(t)[0]] = _INPUT
-        with self._measuring():
-            return self.module(*inputs, **kwargs)
-
-    @contextmanager
-    def _measuring(self) -> Iterator[None]:
-        missing = object()
-        previous = [(child, child.__dict__.get("forward", missing)) for _, child in self.traced.children]
-        for (name, child), (_, before) in zip(self.traced.children, previous):
-            inner = before if before is not missing else partial(type(child).forward, child)
-            child.forward = self._measured(name, inner)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for child, before in previous:
-                child.__dict__.pop("forward", None)
-                if before is not missing:
-                    child.forward = before  # type: ignore[method-assign]
-
-    def _measured(self, vid: str, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            labels: dict[int, str] = {}
-            for t in tensors_in((list(args), kwargs)):
-                ptr = _storage(t)[0]
-                if ptr in self.labels:
-                    labels.setdefault(ptr, self.labels[ptr])
-            if self.safe:
-                for rec in self.records:
-                    self._measure_alone(vid, inner, args, kwargs, labels, rec)
-                with torch.no_grad():
-                    out = inner(*args, **kwargs)
-            else:
-                out = self.measure_op(self.records[0], vid, lambda: inner(*args, **kwargs), labels, None)
-            for t in tensors_in(out):
-                ptr = _storage(t)[0]
-                if ptr not in labels:  # not a view of an input
-                    self.labels[ptr] = vid
-            return out
-
-        return forward
-
-    def _measure_alone(self, vid: str, inner: Callable[..., Any], args: tuple, kwargs: dict,
-                       labels: dict[int, str], rec: _Record) -> None:
-        try:
-            self._measure_copy(vid, inner, args, kwargs, labels, rec, clone=False)
-        except RuntimeError as exc:
-            if "in-place" not in str(exc) and "leaf" not in str(exc):
-                raise
-            self.timer.clear()
-            self._measure_copy(vid, inner, args, kwargs, labels, rec, clone=True)
-
-    def _measure_copy(self, vid: str, inner: Callable[..., Any], args: tuple, kwargs: dict,
-                      labels: dict[int, str], rec: _Record, clone: bool) -> None:
-        copies: set[int] = set()
-
-        def detach(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            leaf = t.detach()
-            source = labels.get(_storage(t)[0])
-            # Under the no-grad forward nothing requires grad: what a submodule's or the
-            # forward's own op produced would, an input only if it did.
-            wants = t.requires_grad or (source != _INPUT and (t.is_floating_point() or t.is_complex()))
-            if wants:
-                if clone:
-                    leaf = leaf.clone()
-                leaf.requires_grad_(True)
-                copies.add(id(leaf))
-                if clone:
-                    leaf = leaf.clone()
-                    self.timer.claimed.add(leaf.grad_fn)
-            return leaf
-
-        copied_args, copied_kwargs = pytree.tree_map(detach, (list(args), kwargs))
-        self.timer.skip_leaves = copies
-        with torch.enable_grad():
-            out = self.measure_op(rec, vid, lambda: inner(*copied_args, **copied_kwargs), labels, None)
-        outputs = [t for t in tensors_in(out) if t.requires_grad]
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        rec.resolve(self.clock)
-        self.timer.clear()
-        del out, outputs
-
-
-def _looks_inplace(n: fx.Node, root: nn.Module) -> bool:
-    if n.op == "call_module":
-        return bool(getattr(root.get_submodule(str(n.target)), "inplace", False))
-    if n.kwargs.get("inplace"):
-        return True
-    name = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", "")
-    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
 
 
 # ---- the public entry point ------------------------------------------------------------------------
@@ -726,19 +210,19 @@ def profile_module(
     input_tensors = tensors_in(list(inputs) + list(kwargs.values()))
     batch = next((t.shape[0] for t in input_tensors if t.dim() >= 1), None)
     grad_holders = list(module.parameters()) + [t for t in input_tensors if t.requires_grad]
-    excluded = {_storage(t)[0] for t in list(module.parameters()) + list(module.buffers())}
+    excluded = {storage_of(t)[0] for t in list(module.parameters()) + list(module.buffers())}
     if traced.kind == CHILDREN:
 
         def make(safe_mode: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
-            profiler = _SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds, meter)
+                 meter: StorageMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
+            profiler = SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds, meter)
             return profiler, lambda: profiler.run(inputs, kwargs)
     else:
         args = traced.call_args(inputs, kwargs)
 
         def make(safe_mode: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> tuple[_OpMeter, Callable[[], Any]]:
-            profiler = _Profiler(traced, device, excluded, safe_mode, rounds, meter)
+                 meter: StorageMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
+            profiler = NodeProfiler(traced, device, excluded, safe_mode, rounds, meter)
             # Through the module's call when it is an FSDP unit: its hooks gather and reduce.
             return profiler, lambda: call_through(module, lambda: profiler.run(*args))
 
@@ -746,12 +230,12 @@ def profile_module(
     meta.batch_size = batch
     meta.device = str(device)
     meta.dtype = _dtype_of(module, inputs)
-    meta.input_bytes = _output_bytes(input_tensors)
+    meta.input_bytes = output_bytes(input_tensors)
     # CUDA events and peak counters work on the current device: make it the module's.
     on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
     with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
         fallback_reason = ""
-        records: list[_Record] = []
+        records: list[OpRecord] = []
         note = progress or (lambda line: None)
         if not safe:
             try:
@@ -772,9 +256,8 @@ def profile_module(
             # The exception (and its frames holding activations) is gone here; free the cache.
             _clear_grads(grad_holders)
             free_device_memory(device)
-            warnings.warn(f"the training step ran out of memory while profiling "
-                          f"({fallback_reason}); profiling again in memory-safe mode",
-                          UserWarning, stacklevel=2)
+            warn_caller(f"the training step ran out of memory while profiling "
+                        f"({fallback_reason}); profiling again in memory-safe mode")
             safe = True
         if safe:
             meta.plain_peak_bytes = None
@@ -833,7 +316,7 @@ def _plain_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, An
     (``meta.plain_peak_bytes``). On CUDA the allocator's counters cost the step nothing, so
     its time is the plain step's (``meta.step_seconds``); on the CPU the storage meter's
     per-op cost is in it, so no time is returned."""
-    clock = _Clock(device)
+    clock = Clock(device)
 
     def step() -> None:
         _backward(loss_fn(module(*inputs, **kwargs)))
@@ -875,12 +358,11 @@ def _loss_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any
     held = [weakref.ref(t) for t in wanting]
     del leaves, wanting
     if any(ref() is not None for ref in held):
-        warnings.warn(
+        warn_caller(
             "the loss keeps the module's outputs alive after it returns (a reference cycle, or a "
             "reference kept elsewhere), so they outlive the start of the backward, where the plan "
             "counts them freed: the measured peak can exceed the plan's. Take the loss without "
-            "keeping the outputs (a recursive closure over a list of them is such a cycle)",
-            UserWarning, stacklevel=4)
+            "keeping the outputs (a recursive closure over a list of them is such a cycle)")
     return peak, int(sum(storages.values()))
 
 
@@ -898,12 +380,12 @@ _VARIES = 0.25
 """An op whose two timings differ by more than this fraction varies across steps."""
 
 
-def _op_times(record: _Record) -> dict[str, float]:
+def _op_times(record: OpRecord) -> dict[str, float]:
     return {vid: record.t_fwd.get(vid, 0.0) + record.t_bwd.get(vid, 0.0)
             for vid in set(record.t_fwd) | set(record.t_bwd)}
 
 
-def _time_in_doubt(timed: list[_Record], upper: _Record | None, step_seconds: float | None) -> float:
+def _time_in_doubt(timed: list[OpRecord], upper: OpRecord | None, step_seconds: float | None) -> float:
     """Seconds of the step whose measurement another timed step could change, as a share
     of the step. With two timed steps or more: the time of the ops whose latest timing
     differs from their fastest by more than :data:`_VARIES`. With one: on the CPU, the time
@@ -925,10 +407,10 @@ def _time_in_doubt(timed: list[_Record], upper: _Record | None, step_seconds: fl
     return 0.0
 
 
-def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss_fn: LossFn,
+def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_fn: LossFn,
                    grad_holders: list[torch.Tensor], repeats: int, device: torch.device,
                    plain_seconds: float | None,
-                   note: Callable[[str], None]) -> tuple[_Record, list[_Record], float]:
+                   note: Callable[[str], None]) -> tuple[OpRecord, list[OpRecord], float]:
     """Normal mode: instrumented steps, each op measured as the forward reaches it
     (docs/design.md section 3). Returns the record whose bytes count (CPU: a step under
     the storage meter, whose workspaces it reads; CUDA: the first timed step, whose
@@ -937,7 +419,7 @@ def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss
     doubt (:func:`_time_in_doubt`) is above :data:`_UNSETTLED_SHARE` of the step: one
     timed step where one will do."""
 
-    def step(meter: StorageMeter | None = None) -> tuple[_Record, float]:
+    def step(meter: StorageMeter | None = None) -> tuple[OpRecord, float]:
         profiler, run = make(meter=meter)
         start = time.perf_counter()
         loss = loss_fn(run())
@@ -949,12 +431,12 @@ def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss
         _clear_grads(grad_holders)
         return profiler.record, seconds
 
-    metered: _Record | None = None
+    metered: OpRecord | None = None
     if device.type != "cuda":
         note("profile: the step's bytes, op by op")
         with StorageMeter(device.type) as meter:
             metered, _ = step(meter)
-    timed: list[_Record] = []
+    timed: list[OpRecord] = []
     walls: list[float] = []
     while len(timed) < repeats:
         note("profile: the step's times, op by op" if not timed else
@@ -967,9 +449,9 @@ def _profile_steps(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]], loss
     return metered if metered is not None else timed[0], timed, min(walls)
 
 
-def _profile_safe(make: Callable[..., tuple[_OpMeter, Callable[[], Any]]],
+def _profile_safe(make: Callable[..., tuple[OpMeter, Callable[[], Any]]],
                   grad_holders: list[torch.Tensor], warmup: int, repeats: int,
-                  device: torch.device) -> list[_Record]:
+                  device: torch.device) -> list[OpRecord]:
     """Memory-safe mode: one no-grad forward; each op measured alone ``warmup + repeats``
     times (forward and backward), its activations dropped before the next op."""
     meter = StorageMeter(device.type) if device.type != "cuda" else None

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.device import preserved_state
-from lightning_remat.errors import TraceError
+from lightning_remat.errors import TraceError, warn_caller
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.ops import draws_random, mutated_operand
 
@@ -665,11 +664,8 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     traced.fx_failure = fx_reason
     note = (f"; {', '.join(traced.repeated)} run as they are (called more than once)"
             if traced.repeated else "")
-    warnings.warn(
+    warn_caller(
         f"torch.fx could not trace {type(module).__name__} ({fx_reason}); its own forward "
         f"runs, with the {len(traced.children)} submodules it calls checkpointed where it "
-        f"calls them, one vertex each{note}",
-        UserWarning,
-        stacklevel=2,
-    )
+        f"calls them, one vertex each{note}")
     return traced

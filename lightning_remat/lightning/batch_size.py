@@ -73,15 +73,14 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
 from lightning_remat.graph.trace import Traced, default_loss, local_bytes, trace_module
 from lightning_remat.lightning.strategy import RematHooks, forward_routed
+from lightning_remat.messages import DistributedRanks, world_size
 from lightning_remat.meter import collector_settled, peak_bytes
 from lightning_remat.planner import (
-    DistributedRanks,
     Planned,
     Planner,
     PlanSettings,
     planning_summary,
     solver_options,
-    world_size,
 )
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.runtime.module import measure_recompute_overhead

@@ -30,8 +30,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
+from lightning_remat.inputs import shapes_of
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
-from lightning_remat.planner import DistributedRanks, Planned, Planner, PlanSettings, shapes_of
+from lightning_remat.messages import DistributedRanks
+from lightning_remat.planner import Planned, Planner, PlanSettings
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
 

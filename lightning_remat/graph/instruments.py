@@ -1,0 +1,229 @@
+"""What the profiler reads while an op runs (docs/design.md sections 3 and 6): the bytes of a
+value's storages, the clocks that time an op (``perf_counter`` on the CPU, CUDA events behind
+a device backlog on GPU), the workspace an op takes above what it keeps, and the hooks that
+charge an op's backward to it; :class:`OpRecord` holds what one measured step saw.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_remat.meter import StorageMeter, tensors_in
+
+__all__ = ["INPUT", "BackwardTimer", "Clock", "OpRecord", "Workspace", "output_bytes", "storage_of"]
+
+INPUT = "<input>"
+"""The label of a storage that belongs to the step's inputs (not to a vertex)."""
+
+
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of a tensor's storage; a storage-less tensor counts its own bytes."""
+    try:
+        st = t.untyped_storage()
+        if st.nbytes() == 0:  # empty tensors share address 0: give each its own key
+            return -id(t), 0
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):  # pragma: no cover - sparse/nested tensors
+        return id(t), t.numel() * t.element_size()
+
+
+def output_bytes(value: Any) -> int:
+    """Bytes of a value's tensors, each storage counted once and at most its own size."""
+    per_storage: dict[int, list[int]] = {}
+    for t in tensors_in(value):
+        ptr, size = storage_of(t)
+        entry = per_storage.setdefault(ptr, [size, 0])
+        entry[1] += t.numel() * t.element_size()
+    return sum(min(size, views) for size, views in per_storage.values())
+
+
+# ---- clocks ---------------------------------------------------------------------------------
+
+
+class Clock:
+    """Timestamps resolved after a synchronise: perf_counter on CPU, CUDA events on GPU.
+
+    An event recorded on an idle GPU completes at once, so the op's time would include the
+    Python dispatch before its kernel is queued, which dominates small ops. :meth:`begin`
+    first queues a spin of the device (``torch.cuda._sleep``) longer than that dispatch, as
+    measured once per device (:func:`_dispatch_backlog_cycles`): the start event then runs
+    after the spin, when the op's kernels are already queued behind it, and the pair times
+    the kernels alone."""
+
+    def __init__(self, device: torch.device, backlog_cycles: int | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._backlog_cycles = backlog_cycles
+
+    def begin(self) -> Any:
+        """The start of a timed op (on CUDA behind a backlog that outlasts the dispatch)."""
+        if self.cuda:
+            if self._backlog_cycles is None:
+                self._backlog_cycles = _dispatch_backlog_cycles(self.device)
+            torch.cuda._sleep(self._backlog_cycles)  # CUDA only: the device busy while Python dispatches
+        return self.mark()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)  # CUDA only
+            event.record()  # CUDA only
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return start.elapsed_time(end) / 1e3  # CUDA only
+        return end - start
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # CUDA only
+
+
+_BACKLOG_CYCLES: dict[str, int] = {}
+
+
+def _dispatch_backlog_cycles(device: torch.device, safety: float = 4.0) -> int:
+    """CUDA only: device cycles that outlast ``safety`` times the host's dispatch of a small
+    op: the dispatch measured with perf_counter, the device's cycles per second with events
+    around a known spin."""
+    key = str(device)
+    if key not in _BACKLOG_CYCLES:
+        with torch.cuda.device(device):
+            probe = torch.zeros(1, device=device)
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(50):
+                probe.add_(1)
+            dispatch_s = (time.perf_counter() - started) / 50
+            spin = 1_000_000
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(spin)
+            end.record()
+            end.synchronize()
+            cycles_per_s = spin / max(start.elapsed_time(end) / 1e3, 1e-9)
+        _BACKLOG_CYCLES[key] = max(1000, int(safety * dispatch_s * cycles_per_s))
+    return _BACKLOG_CYCLES[key]
+
+
+class Workspace:
+    """Peak bytes during an op above max(before, after): the op's temporary workspace.
+
+    CUDA: the caching allocator's peak counter. CPU: the :class:`~lightning_remat.meter.StorageMeter`
+    the step runs under (docs/design.md section 6): the tensors an op creates and frees
+    before it returns; without one (the timed steps, which run without the meter's per-op
+    cost) it reads 0.
+    """
+
+    def __init__(self, device: torch.device, meter: StorageMeter | None = None) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.meter = meter
+        self.enabled = self.cuda or meter is not None
+
+    def start(self) -> int:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        if self.meter is None:
+            return 0
+        self.meter.reset_peak()
+        return self.meter.live
+
+    def stop(self, before: int) -> int:
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            after = torch.cuda.memory_allocated(self.device)
+        elif self.meter is None:
+            return 0
+        else:
+            peak, after = self.meter.peak, self.meter.live
+        return max(0, int(peak - max(before, after)))
+
+
+# ---- what one measured step records ------------------------------------------------------------
+
+
+@dataclass
+class OpRecord:
+    """Costs seen in one step, keyed by vertex id."""
+
+    mem: dict[str, int] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+    saved_ptrs: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    saved_refs: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    saved_input: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    aliases: dict[str, str] = field(default_factory=dict)
+    resident_views: set[str] = field(default_factory=set)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ws_bwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    pending: list[tuple[str, str, Any, Any]] = field(default_factory=list)
+    """(vertex, 'fwd'|'bwd', start mark, end mark) to resolve after a synchronise."""
+
+    def root(self, vid: str) -> str:
+        """The vertex that owns the storage of ``vid``'s output."""
+        return self.aliases.get(vid, vid)
+
+    def resolve(self, clock: Clock) -> None:
+        clock.sync()
+        for vid, phase, start, end in self.pending:
+            if start is None or end is None:
+                continue
+            target = self.t_fwd if phase == "fwd" else self.t_bwd
+            target[vid] += clock.seconds(start, end)
+        self.pending.clear()
+
+
+class BackwardTimer:
+    """Hooks on the autograd nodes an op created, charging their time and workspace to it."""
+
+    def __init__(self, clock: Clock, workspace: Workspace) -> None:
+        self.clock = clock
+        self.workspace = workspace
+        self.claimed: set[Any] = set()
+        self.skip_leaves: set[int] = set()
+
+    def attach(self, vid: str, outputs: Iterable[torch.Tensor], record: OpRecord) -> None:
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn in self.claimed:
+                continue
+            self.claimed.add(fn)
+            variable = getattr(fn, "variable", None)
+            if variable is not None and id(variable) in self.skip_leaves:
+                continue  # gradient of a detached copy made by the safe mode
+            self._hook(vid, fn, record)
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+
+    def _hook(self, vid: str, fn: Any, record: OpRecord) -> None:
+        state: dict[str, Any] = {}
+
+        def pre(grad_outputs: Any) -> None:
+            state["ws"] = self.workspace.start()
+            state["start"] = self.clock.begin()
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            end = self.clock.mark()
+            record.ws_bwd[vid] = max(record.ws_bwd[vid], self.workspace.stop(state.get("ws", 0)))
+            record.pending.append((vid, "bwd", state.get("start"), end))
+
+        try:
+            fn.register_prehook(pre)
+            fn.register_hook(post)
+        except (RuntimeError, AttributeError):  # pragma: no cover - nodes without hooks
+            pass
+
+    def clear(self) -> None:
+        self.claimed.clear()
+        self.skip_leaves.clear()

@@ -1,0 +1,143 @@
+"""The input key: what a plan depends on in one call of the module.
+
+A plan is made for one key and reused for every call with that key (docs/design.md section
+4.7): every tensor's shape, dtype and device type, every other argument's value, the
+containers they come in, and the precision the step runs at. The containers are walked by
+``torch.utils._pytree`` (tuples, lists, dicts, named tuples, ordered dicts and whatever
+else is registered with it); the key holds the tree's structure as one line of text beside
+a description of each leaf, so that it pickles (the ranks gather keys), hashes and reads
+the same in every process.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "precision_leaf",
+    "same_values", "shapes_of", "without_precision",
+]
+
+InputKey = tuple
+"""What a plan depends on in a call: the precision (:func:`precision_leaf`), the structure
+of the arguments, every tensor's shape, dtype and device type and every other argument's
+value, with the forward's defaults filled in."""
+
+_TENSOR = "tensor"
+_PRECISION = "precision"
+_STRUCTURE = "structure"
+
+
+def input_key(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> InputKey:
+    """The arguments' part of an :data:`InputKey` for a call of a forward with ``signature``
+    (None: unknown, the arguments are taken as given). ``f(x)`` and ``f(x, flag=True)``
+    share a key when ``True`` is the default; keyword arguments given in another order
+    share one too."""
+    values: Any = (args, dict(sorted(kwargs.items())))
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            # Named parameters come in the signature's order; **kwargs in the caller's: sorted.
+            arguments = [dict(sorted(value.items())) if signature.parameters[name].kind is
+                         inspect.Parameter.VAR_KEYWORD else value
+                         for name, value in bound.arguments.items()]
+            values = (tuple(arguments), {})
+    leaves, spec = pytree.tree_flatten(values)
+    return ((_STRUCTURE, _structure_text(spec)), *(_describe(leaf) for leaf in leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _structure_text(spec: pytree.TreeSpec) -> str:
+    """The spec on one line: the same text in every process for the same structure (the key
+    is computed at every call; a run meets few structures)."""
+    return " ".join(str(spec).split())
+
+
+def _describe(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (_TENSOR, tuple(leaf.shape), str(leaf.dtype), leaf.device.type)
+    return repr(leaf)
+
+
+def autocast_state(device: torch.device) -> str:
+    """``"off"``, or the dtype autocast computes in on ``device``'s type (read at planning
+    time: the strategy plans inside ``training_step``, where Lightning's precision plugin
+    has already entered autocast)."""
+    device_type = torch.device(device).type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            enabled, dtype = torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+        else:
+            enabled, dtype = torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+    return str(dtype) if enabled else "off"
+
+
+def precision_leaf(module: nn.Module) -> Hashable:
+    """The precision a step of ``module`` runs at now, as the first leaf of its keys: the
+    autocast state on the CPU and on CUDA and the parameters' dtype (a step at another
+    precision is another input: its plan was profiled at other costs)."""
+    first = next(module.parameters(), None)
+    return (_PRECISION, autocast_state(torch.device("cpu")), autocast_state(torch.device("cuda")),
+            "none" if first is None else str(first.dtype))
+
+
+def is_precision(leaf: Hashable) -> bool:
+    """Whether ``leaf`` is a key's :func:`precision_leaf`."""
+    return isinstance(leaf, tuple) and leaf[:1] == (_PRECISION,)
+
+
+def without_precision(key: InputKey) -> InputKey:
+    """The key less its precision (which a plan's basis records on its own)."""
+    return tuple(leaf for leaf in key if not is_precision(leaf))
+
+
+def _is_tensor(leaf: Hashable) -> bool:
+    return isinstance(leaf, tuple) and leaf[:1] == (_TENSOR,)
+
+
+def same_values(key_a: InputKey, key_b: InputKey) -> bool:
+    """Whether two input keys differ in tensor shapes only (same structure, same non-tensor
+    values)."""
+    if len(key_a) != len(key_b):
+        return False
+    return all((_is_tensor(a) and _is_tensor(b) and a[2:] == b[2:]) or a == b
+               for a, b in zip(key_a, key_b))
+
+
+def shapes_of(key: InputKey) -> list[list[int]]:
+    """The tensor shapes in an input key, in order."""
+    return [list(leaf[1]) for leaf in key if _is_tensor(leaf)]
+
+
+def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
+    """What differs between two input keys, by kind (``"shapes"``, ``"dtypes"``,
+    ``"precision"``, else ``"arguments"``: the non-tensor values or the structure), briefly."""
+    tensors_old = [leaf[1:3] for leaf in old if _is_tensor(leaf)]
+    tensors_new = [leaf[1:3] for leaf in new if _is_tensor(leaf)]
+    changes = {}
+    if [t[0] for t in tensors_old] != [t[0] for t in tensors_new]:
+        changes["shapes"] = f"shapes {[list(t[0]) for t in tensors_old]} -> {[list(t[0]) for t in tensors_new]}"
+    if [t[1] for t in tensors_old] != [t[1] for t in tensors_new]:
+        changes["dtypes"] = f"dtypes {[t[1] for t in tensors_old]} -> {[t[1] for t in tensors_new]}"
+    precision_old = [leaf for leaf in old if is_precision(leaf)]
+    precision_new = [leaf for leaf in new if is_precision(leaf)]
+    if precision_old != precision_new:
+        def show(leaves: list) -> str:
+            return "/".join(leaves[0][1:]) if leaves else "unknown"
+        changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
+                                f"-> {show(precision_new)}")
+    return changes or {"arguments": "non-tensor arguments"}
