@@ -191,6 +191,10 @@ def test_a_wrong_prediction_falls_back_on_the_next_one():
     calls.clear()
     result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 15])
     assert result.largest_feasible == 16 and calls == [80, 15, 16, 18, 17]
+    # A second prediction the first one's failure already decided is not measured.
+    calls.clear()
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 100])
+    assert result.largest_feasible == 16 and 100 not in calls and len(calls) == len(set(calls))
 
 
 
