@@ -74,7 +74,7 @@ CHILDREN = "children"
 """``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
 
 
-def _fsdp_unit_types() -> tuple[type, ...]:
+def fsdp_unit_types() -> tuple[type, ...]:
     """torch FSDP's unit classes (FSDP2 ``FSDPModule``, FSDP1 ``FullyShardedDataParallel``);
     none without an initialised process group (no module can be sharded then, and the FSDP
     modules are not imported for nothing)."""
@@ -88,7 +88,7 @@ def _fsdp_unit_types() -> tuple[type, ...]:
 def is_sharded_unit(module: nn.Module) -> bool:
     """Whether torch FSDP manages ``module`` as one unit (``fully_shard`` applied to it, or a
     ``FullyShardedDataParallel`` wrapper)."""
-    types = _fsdp_unit_types()
+    types = fsdp_unit_types()
     return bool(types) and isinstance(module, types)
 
 
@@ -170,7 +170,7 @@ class _ShardedUnitTracer(fx.Tracer):
 
 def _symbolic_trace(module: nn.Module, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     """``fx.symbolic_trace``, with FSDP units as leaves when the module holds any."""
-    if not _fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
+    if not fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
         return fx.symbolic_trace(module, concrete_args=concrete_args)
     tracer = _ShardedUnitTracer()
     graph = tracer.trace(module, concrete_args=concrete_args)
