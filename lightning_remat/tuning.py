@@ -666,14 +666,15 @@ class _StaleTrials:
                    and time.monotonic() < wait_until):
                 time.sleep(0.25)
                 optuna.storages.fail_stale_trials(study)
-        self.warn(study)
+        self.warn(study, stacklevel=4)
 
-    def warn(self, study: Study) -> None:
+    def warn(self, study: Study, stacklevel: int = 3) -> None:
+        """One warning for the trials failed and retried since the last one."""
         if self.sizes:
             warnings.warn(
                 f"lightning-remat batch-size search ({self.label}): {len(self.sizes)} trial(s) of study "
                 f"{study.study_name!r} were left running by an interrupted search (batch sizes "
-                f"{self.sizes}); marked them failed, their sizes run again", stacklevel=4,
+                f"{self.sizes}); marked them failed, their sizes run again", stacklevel=stacklevel,
             )
             self.sizes.clear()
 
