@@ -293,13 +293,10 @@ def _same(a: Any, b: Any) -> bool:
 def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[torch.device]) -> tuple[Any, Any]:
     """Both callables' outputs, each run from the same RNG state (so dropout draws the same
     masks), without grad, in the module's current mode; buffers restored afterwards."""
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with preserved_state(module, devices), torch.no_grad():
-        state = torch.random.get_rng_state()
-        cuda_state = [torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"]
-        out_a = run_a()
-        torch.random.set_rng_state(state)
-        for d, s in zip([d for d in devices if d.type == "cuda"], cuda_state):
-            torch.cuda.set_rng_state(s, d)
+        with torch.random.fork_rng(devices=cuda_devices):
+            out_a = run_a()
         out_b = run_b()
     return out_a, out_b
 
