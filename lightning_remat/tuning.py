@@ -28,9 +28,10 @@ the study's layout and the trial records, so they stay in one module.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -477,60 +478,60 @@ def run_search(
     check_search_args(init_val, max_val, granularity)
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = BisectionSampler(init_val, max_val, granularity)
-    stale = _StaleTrials(label)
-    study = _load_study(storage, study_name, sampler, stale)
-    if isinstance(storage, str):  # the storage with a heartbeat
-        stale.fail(study)
-    guesses = [] if hint is None else [hint] if isinstance(hint, int) else list(hint)
-    for guess in guesses:
-        size = min(max(int(guess), 1), max_val)
-        study.enqueue_trial({PARAM: size}, user_attrs={PREDICTED: size}, skip_if_exists=True)
-    trials_run = 0
+    with _optuna_logs_quiet():  # its INFO lines: a study created, a trial finished or pruned
+        sampler = BisectionSampler(init_val, max_val, granularity)
+        stale = _StaleTrials(label)
+        study = _load_study(storage, study_name, sampler, stale)
+        if isinstance(storage, str):  # the storage with a heartbeat
+            stale.fail(study)
+        guesses = [] if hint is None else [hint] if isinstance(hint, int) else list(hint)
+        for guess in guesses:
+            size = min(max(int(guess), 1), max_val)
+            study.enqueue_trial({PARAM: size}, user_attrs={PREDICTED: size}, skip_if_exists=True)
+        trials_run = 0
 
-    def objective(trial: optuna.Trial) -> tuple[float, float]:
-        nonlocal trials_run
-        batch_size = trial.suggest_int(PARAM, 1, max_val)
-        if decided(study, batch_size):  # an enqueued prediction the trials before it decided
-            raise optuna.TrialPruned(f"batch size {batch_size}: the finished trials decide it")
-        trials_run += 1
-        result = run_trial_safely(trial_fn, batch_size)
-        feasible = bool(result.feasible)
-        attrs = {
-            "peak_bytes": _int_or_none(result.peak_bytes),
-            "seconds": result.seconds, "reason": result.reason,
-            "predicted_extra_seconds": result.predicted_extra_seconds,
-            "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
-            "solver": result.solver,
-        }
-        # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
-        trial.set_user_attr("result", attrs)
-        trial.set_user_attr("feasible", feasible)
-        trial.set_constraint("within_budget", 0.0 if feasible else 1.0)
-        throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
-        return float(batch_size), float(throughput)
+        def objective(trial: optuna.Trial) -> tuple[float, float]:
+            nonlocal trials_run
+            batch_size = trial.suggest_int(PARAM, 1, max_val)
+            if decided(study, batch_size):  # an enqueued prediction the trials before it decided
+                raise optuna.TrialPruned(f"batch size {batch_size}: the finished trials decide it")
+            trials_run += 1
+            result = run_trial_safely(trial_fn, batch_size)
+            feasible = bool(result.feasible)
+            attrs = {
+                "peak_bytes": _int_or_none(result.peak_bytes),
+                "seconds": result.seconds, "reason": result.reason,
+                "predicted_extra_seconds": result.predicted_extra_seconds,
+                "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
+                "solver": result.solver,
+            }
+            # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
+            trial.set_user_attr("result", attrs)
+            trial.set_user_attr("feasible", feasible)
+            trial.set_constraint("within_budget", 0.0 if feasible else 1.0)
+            throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
+            return float(batch_size), float(throughput)
 
-    bar = _progress(progress_bar, label)
-    try:
-        while trials_run < max_trials:
-            proposed = sampler.proposal(study)
-            if proposed is None:
-                break
+        bar = _progress(progress_bar, label)
+        try:
+            while trials_run < max_trials:
+                proposed = sampler.proposal(study)
+                if proposed is None:
+                    break
+                if bar is not None:
+                    br = bracket([(r.batch_size, r.feasible) for r in finished_records(study)])
+                    bar.set_postfix_str(f"trying {proposed}, fits {br.largest_feasible or '-'}, "
+                                        f"fails {br.smallest_infeasible or '-'}")
+                measured = trials_run
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    study.optimize(objective, n_trials=1, catch=())
+                if bar is not None:
+                    bar.update(trials_run - measured)
+        finally:
             if bar is not None:
-                br = bracket([(r.batch_size, r.feasible) for r in finished_records(study)])
-                bar.set_postfix_str(f"trying {proposed}, fits {br.largest_feasible or '-'}, "
-                                    f"fails {br.smallest_infeasible or '-'}")
-            measured = trials_run
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.optimize(objective, n_trials=1, catch=())
-            if bar is not None:
-                bar.update(trials_run - measured)
-    finally:
-        if bar is not None:
-            bar.close()
-    stale.warn(study)  # trials another search left running meanwhile (Optuna retried them)
+                bar.close()
+        stale.warn(study)  # trials another search left running meanwhile (Optuna retried them)
     records = finished_records(study)
     br = bracket([(r.batch_size, r.feasible) for r in records])
     if not br.monotone:
@@ -721,6 +722,17 @@ def pareto_front(study: Study, records: Sequence[TrialRecord]) -> list[TrialReco
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+@contextlib.contextmanager
+def _optuna_logs_quiet() -> Iterator[None]:
+    """Optuna's log level at WARNING inside, as it was outside."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def _progress(enabled: bool, label: str) -> Any:

@@ -473,3 +473,13 @@ def test_trial_bound_is_logarithmic():
     calls: list[int] = []
     run_search(threshold_trial(5000, calls), init_val=1, max_val=8192)
     assert len(calls) <= 2 * math.ceil(math.log2(8192)) + 1
+
+
+def test_the_search_leaves_optunas_log_level_as_it_found_it():
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.DEBUG)
+    try:
+        run_search(threshold_trial(5), init_val=2, max_val=16)
+        assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
+    finally:
+        optuna.logging.set_verbosity(before)
