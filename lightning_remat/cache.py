@@ -20,7 +20,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -81,11 +81,9 @@ class PlanBasis:
 
     @classmethod
     def from_dict(cls, data: Any) -> PlanBasis | None:
-        """The basis stored as a dict, or None when it is not one (an older format)."""
+        """The basis stored as a dict, or None when it is not one (every field, each a str)."""
         names = [f.name for f in fields(cls)]
-        # Fields with a default were added later: a basis written before them holds the rest.
-        required = [f.name for f in fields(cls) if f.default is MISSING]
-        if not isinstance(data, dict) or not set(required) <= set(data) <= set(names) \
+        if not isinstance(data, dict) or set(data) != set(names) \
                 or not all(isinstance(data[n], str) for n in data):
             return None
         return cls(**data)
@@ -103,8 +101,7 @@ def describe_change(old: PlanBasis | None, new: PlanBasis, source: str) -> str:
     """One line saying why a stored plan (from ``source``: "checkpoint", "plan cache") is
     not used: the fields of ``old`` that differ from ``new``."""
     if old is None:
-        return (f"lightning-remat: the {source}'s plan does not record what decided it (an older "
-                "version wrote it): planning again")
+        return f"lightning-remat: the {source}'s plan does not record what decided it: planning again"
     was, now = [], []
     for name, label in _LABELS.items():
         a, b = getattr(old, name), getattr(new, name)
@@ -124,7 +121,7 @@ class CacheEntry:
 @dataclass(frozen=True)
 class StoredPlan:
     """A plan as a checkpoint keeps it: graph and plan JSON beside the basis that decided it
-    (None when an older version wrote it without one: never reused)."""
+    (None when the basis cannot be read: never reused)."""
 
     graph_json: str
     plan_json: str
@@ -138,15 +135,12 @@ class StoredPlan:
 
     @classmethod
     def from_stored(cls, value: Any) -> StoredPlan:
-        """A stored plan from its dict, or from the ``(graph, plan)`` pair older versions
-        wrote; ValueError when it is neither, or its plan does not fit its graph."""
-        if isinstance(value, dict) and isinstance(value.get("graph"), str) \
-                and isinstance(value.get("plan"), str):
-            stored = cls(value["graph"], value["plan"], PlanBasis.from_dict(value.get("basis")))
-        elif isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, str) for v in value):
-            stored = cls(value[0], value[1], None)
-        else:
+        """A stored plan from its dict (:meth:`to_dict`); ValueError when it is not one, or
+        its plan does not fit its graph."""
+        if not (isinstance(value, dict) and isinstance(value.get("graph"), str)
+                and isinstance(value.get("plan"), str)):
             raise ValueError(f"not a stored plan: {type(value).__name__}")
+        stored = cls(value["graph"], value["plan"], PlanBasis.from_dict(value.get("basis")))
         Plan.from_json(stored.plan_json).validate(Graph.from_json(stored.graph_json))
         return stored
 

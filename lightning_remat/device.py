@@ -49,7 +49,8 @@ def module_device(module: nn.Module, inputs: Iterable[Any] = ()) -> torch.device
 
 
 def move_to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor inside it (tuples, lists, dicts) moved to ``device``."""
+    """``value`` with every tensor inside it moved to ``device``: the containers torch's pytree
+    knows (tuples, named tuples, lists, dicts, ordered dicts) keep their types."""
     return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
 
 
@@ -75,13 +76,8 @@ def default_budget(device: torch.device, margin: float = DEFAULT_MARGIN) -> int 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` means a device (CUDA, MPS, the CPU allocator) ran out of memory."""
-    oom_types = tuple(
-        t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-        if isinstance(t, type)
-    )
-    if oom_types and isinstance(exc, oom_types):
-        return True
-    if isinstance(exc, MemoryError):
+    # torch.cuda.OutOfMemoryError is the one class every device's allocator raises.
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc).lower()

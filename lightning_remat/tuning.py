@@ -28,8 +28,10 @@ the study's layout and the trial records, so they stay in one module.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,16 @@ class TrialRecord:
             solver=attrs.get("solver"),
             predicted_peak_bytes=attrs.get("predicted_peak_bytes"),
         )
+
+
+PREDICTED = "predicted"
+"""The user attribute of a trial enqueued as a prediction of the answer (its size)."""
+
+
+def predictions(study: Study) -> list[int]:
+    """The sizes enqueued as predictions of the answer, in the order they were enqueued."""
+    trials = study.get_trials(deepcopy=False)
+    return list(dict.fromkeys(int(t.user_attrs[PREDICTED]) for t in trials if PREDICTED in t.user_attrs))
 
 
 def finished_records(study: Study) -> list[TrialRecord]:
@@ -212,15 +224,17 @@ class BisectionSampler(BaseSampler):
     The sampler keeps no state of its own: each proposal is computed from the study's
     completed trials (their ``batch_size`` parameter and ``feasible`` user attribute), so a
     study loaded from storage after an interruption continues where it stopped. Failed
-    trials (crashes) are not counted, so their size is tried again.
+    trials (crashes) are not counted, so their size is tried again. Predictions of the
+    answer are trials :func:`run_search` enqueued (``study.enqueue_trial``, user attribute
+    ``predicted``): Optuna runs them first, and the sampler reads them from the study to
+    go on from them (:func:`next_batch_size`'s ``hint``).
 
     Any parameter other than ``batch_size`` is delegated to ``fallback`` (random sampling).
     """
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
-                 fallback: BaseSampler | None = None, hint: int | Sequence[int] | None = None) -> None:
+                 fallback: BaseSampler | None = None) -> None:
         check_search_args(init_val, max_val, granularity)
-        self.hint = hint
         self.init_val = init_val
         self.max_val = max_val
         self.granularity = granularity
@@ -236,7 +250,7 @@ class BisectionSampler(BaseSampler):
     def proposal(self, study: Study) -> int | None:
         """The size the next trial will get (None: the search is finished)."""
         pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
-        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, self.hint)
+        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, predictions(study))
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
@@ -451,54 +465,73 @@ def run_search(
 
     ``storage`` is any Optuna storage (URL such as ``sqlite:///path.db`` or
     ``postgresql://...``); None keeps the study in memory. A study of that name already in
-    the storage is continued. ``max_trials`` bounds the trials of this call.
+    the storage is continued. ``max_trials`` bounds the trials of this call. ``hint``: the
+    size predicted to be the largest that fits, or several, most hopeful first; each is
+    enqueued as a trial (:func:`next_batch_size` says what follows them), and one the
+    trials before it have already decided is pruned, not measured.
+
+    A URL gets a storage with Optuna's heartbeat: a trial a killed search left running is
+    failed once its heartbeat is older than the grace period (this search waits that long
+    for one it finds still running) and retried (``RetryHeartbeatStaleTrialCallback``),
+    with one warning. A storage object is used as given.
     """
     check_search_args(init_val, max_val, granularity)
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = BisectionSampler(init_val, max_val, granularity, hint=hint)
-    study, storage_used = _load_study(storage, study_name, sampler)
-    _fail_stale_trials(study, storage_used, label)
+    with _optuna_logs_quiet():  # its INFO lines: a study created, a trial finished or pruned
+        sampler = BisectionSampler(init_val, max_val, granularity)
+        stale = _StaleTrials(label)
+        study = _load_study(storage, study_name, sampler, stale)
+        if isinstance(storage, str):  # the storage with a heartbeat
+            stale.fail(study)
+        guesses = [] if hint is None else [hint] if isinstance(hint, int) else list(hint)
+        for guess in guesses:
+            size = min(max(int(guess), 1), max_val)
+            study.enqueue_trial({PARAM: size}, user_attrs={PREDICTED: size}, skip_if_exists=True)
+        trials_run = 0
 
-    def objective(trial: optuna.Trial) -> tuple[float, float]:
-        batch_size = trial.suggest_int(PARAM, 1, max_val)
-        result = run_trial_safely(trial_fn, batch_size)
-        feasible = bool(result.feasible)
-        attrs = {
-            "peak_bytes": _int_or_none(result.peak_bytes),
-            "seconds": result.seconds, "reason": result.reason,
-            "predicted_extra_seconds": result.predicted_extra_seconds,
-            "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
-            "solver": result.solver,
-        }
-        # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
-        trial.set_user_attr("result", attrs)
-        trial.set_user_attr("feasible", feasible)
-        _set_constraint(trial, 0.0 if feasible else 1.0)
-        throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
-        return float(batch_size), float(throughput)
-
-    bar = _progress(progress_bar, label)
-    trials_run = 0
-    try:
-        while trials_run < max_trials:
-            proposed = sampler.proposal(study)
-            if proposed is None:
-                break
-            if bar is not None:
-                br = bracket([(r.batch_size, r.feasible) for r in finished_records(study)])
-                bar.set_postfix_str(f"trying {proposed}, fits {br.largest_feasible or '-'}, "
-                                    f"fails {br.smallest_infeasible or '-'}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.optimize(objective, n_trials=1, catch=())
+        def objective(trial: optuna.Trial) -> tuple[float, float]:
+            nonlocal trials_run
+            batch_size = trial.suggest_int(PARAM, 1, max_val)
+            if decided(study, batch_size):  # an enqueued prediction the trials before it decided
+                raise optuna.TrialPruned(f"batch size {batch_size}: the finished trials decide it")
             trials_run += 1
+            result = run_trial_safely(trial_fn, batch_size)
+            feasible = bool(result.feasible)
+            attrs = {
+                "peak_bytes": _int_or_none(result.peak_bytes),
+                "seconds": result.seconds, "reason": result.reason,
+                "predicted_extra_seconds": result.predicted_extra_seconds,
+                "predicted_peak_bytes": _int_or_none(result.predicted_peak_bytes),
+                "solver": result.solver,
+            }
+            # Two attributes, not one per field: each is a storage round trip (a SQLite commit).
+            trial.set_user_attr("result", attrs)
+            trial.set_user_attr("feasible", feasible)
+            trial.set_constraint("within_budget", 0.0 if feasible else 1.0)
+            throughput = batch_size / result.seconds if feasible and result.seconds else 0.0
+            return float(batch_size), float(throughput)
+
+        bar = _progress(progress_bar, label)
+        try:
+            while trials_run < max_trials:
+                proposed = sampler.proposal(study)
+                if proposed is None:
+                    break
+                if bar is not None:
+                    br = bracket([(r.batch_size, r.feasible) for r in finished_records(study)])
+                    bar.set_postfix_str(f"trying {proposed}, fits {br.largest_feasible or '-'}, "
+                                        f"fails {br.smallest_infeasible or '-'}")
+                measured = trials_run
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    study.optimize(objective, n_trials=1, catch=())
+                if bar is not None:
+                    bar.update(trials_run - measured)
+        finally:
             if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
+                bar.close()
+        stale.warn(study)  # trials another search left running meanwhile (Optuna retried them)
     records = finished_records(study)
     br = bracket([(r.batch_size, r.feasible) for r in records])
     if not br.monotone:
@@ -506,7 +539,6 @@ def run_search(
             f"lightning-remat batch-size search ({label}): a size above the smallest infeasible "
             f"one ({br.smallest_infeasible}) was feasible; measurements near the budget are noisy. "
             "The answer trusts the smallest infeasible size.")
-    feasible = [r for r in records if r.feasible]
     return SearchResult(
         label=label, solver=solver,
         largest_feasible=br.largest_feasible or None,
@@ -515,7 +547,7 @@ def run_search(
         storage=storage if isinstance(storage, str) or storage is None else type(storage).__name__,
         monotone=br.monotone,
         finished=sampler.proposal(study) is None,
-        pareto=pareto_front(feasible),
+        pareto=pareto_front(study, records),
     )
 
 
@@ -615,15 +647,74 @@ def sqlite_path(storage: Any) -> Path | None:
     return None
 
 
+def decided(study: Study, size: int) -> bool:
+    """Whether the finished trials decide ``size``: measured, or outside the bracket."""
+    records = finished_records(study)
+    br = bracket([(r.batch_size, r.feasible) for r in records])
+    return (size <= br.largest_feasible or any(r.batch_size == size for r in records)
+            or (br.smallest_infeasible is not None and size >= br.smallest_infeasible))
+
+
+HEARTBEAT_SECONDS = 1
+"""How often a running trial of a storage opened from a URL records that it is alive; one
+not heard from for twice that long (Optuna's default grace period) is stale."""
+
+
+class _StaleTrials:
+    """Trials a killed search left running: Optuna fails them once their heartbeat is stale
+    (``fail_stale_trials``) and this callback retries each
+    (``RetryHeartbeatStaleTrialCallback``), keeping its size for one warning."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.sizes: list[Any] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self._retry = optuna.storages.RetryHeartbeatStaleTrialCallback()
+
+    def __call__(self, study: Study, trial: FrozenTrial) -> None:
+        self.sizes.append(trial.params.get(PARAM))
+        self._retry(study, trial)
+
+    def fail(self, study: Study) -> None:
+        """Fail and retry the stale trials, with one warning. A trial whose heartbeat is
+        still fresh may be a search killed a moment ago: it is waited for until the grace
+        period tells (a search running the same study elsewhere keeps its trials alive,
+        and they are left to it)."""
+        # Optuna's grace period, plus the beat before the kill and SQLite's whole seconds.
+        wait_until = time.monotonic() + 3 * HEARTBEAT_SECONDS + 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+            while (study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   and time.monotonic() < wait_until):
+                time.sleep(0.25)
+                optuna.storages.fail_stale_trials(study)
+        self.warn(study)
+
+    def warn(self, study: Study) -> None:
+        """One warning for the trials failed and retried since the last one."""
+        if self.sizes:
+            warn_caller(
+                f"lightning-remat batch-size search ({self.label}): {len(self.sizes)} trial(s) of study "
+                f"{study.study_name!r} were left running by an interrupted search (batch sizes "
+                f"{self.sizes}); marked them failed, their sizes run again")
+            self.sizes.clear()
+
+
 def _load_study(storage: str | optuna.storages.BaseStorage | None, study_name: str,
-                sampler: BaseSampler) -> tuple[Study, optuna.storages.BaseStorage]:
-    """Create or load the study (and the storage object it uses); an SQLite file that cannot
-    be read is moved aside with one warning and the search starts over in a new one."""
-    def load() -> tuple[Study, optuna.storages.BaseStorage]:
-        storage_object = optuna.storages.get_storage(storage)
-        study = optuna.create_study(storage=storage_object, study_name=study_name, sampler=sampler,
-                                    directions=["maximize", "maximize"], load_if_exists=True)
-        return study, storage_object
+                sampler: BaseSampler, stale: _StaleTrials) -> Study:
+    """Create or load the study; an SQLite file that cannot be read is moved aside with one
+    warning and the search starts over in a new one."""
+    def load() -> Study:
+        storage_object = storage
+        if isinstance(storage, str):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage_object = optuna.storages.RDBStorage(
+                    storage, heartbeat_interval=HEARTBEAT_SECONDS, heartbeat_stale_trial_callback=stale)
+        return optuna.create_study(storage=storage_object, study_name=study_name, sampler=sampler,
+                                   directions=["maximize", "maximize"], load_if_exists=True)
 
     path = sqlite_path(storage)
     if path is None:
@@ -642,52 +733,28 @@ def _load_study(storage: str | optuna.storages.BaseStorage | None, study_name: s
     return load()
 
 
-def _fail_stale_trials(study: Study, storage: optuna.storages.BaseStorage, label: str) -> None:
-    """Trials a killed search left RUNNING are marked failed (the sampler then proposes their
-    sizes again), with one warning. One search runs per study at a time, so every RUNNING
-    trial found before this search starts is stale."""
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    if not stale:
-        return
-    study_id = storage.get_study_id_from_name(study.study_name)
-    for trial in stale:
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-    sizes = [t.params.get(PARAM) for t in stale]
-    warn_caller(
-        f"lightning-remat batch-size search ({label}): {len(stale)} trial(s) of study "
-        f"{study.study_name!r} were left running by an interrupted search (batch sizes {sizes}); "
-        "marked them failed, their sizes run again")
-
-
-def pareto_front(records: Sequence[TrialRecord]) -> list[TrialRecord]:
-    """Trials not dominated in (batch size, samples/s), by increasing batch size (the same
-    set as Optuna's ``study.best_trials`` over the feasible trials)."""
-    points = [r for r in records if r.samples_per_second is not None]
-    front = []
-    for r in points:
-        dominated = any(
-            o.batch_size >= r.batch_size and o.samples_per_second >= r.samples_per_second  # type: ignore[operator]
-            and (o.batch_size > r.batch_size or o.samples_per_second > r.samples_per_second)  # type: ignore[operator]
-            for o in points
-        )
-        if not dominated:
-            front.append(r)
-    return sorted(front, key=lambda r: r.batch_size)
+def pareto_front(study: Study, records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """Feasible trials not dominated in (batch size, samples/s), by increasing batch size:
+    Optuna's ``study.best_trials`` (the constraint ``within_budget`` leaves the infeasible
+    ones out), less trials without a measured time (their samples/s of 0 dominates none)."""
+    by_number = {r.number: r for r in records}
+    front = [by_number[t.number] for t in study.best_trials if t.number in by_number]
+    return sorted((r for r in front if r.samples_per_second is not None), key=lambda r: r.batch_size)
 
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _set_constraint(trial: optuna.Trial, value: float) -> None:
-    """Mark the trial feasible (<= 0) or not for Optuna's constrained Pareto front."""
-    if hasattr(trial, "set_constraint"):  # Optuna >= 5
-        trial.set_constraint("within_budget", value)
-    else:
-        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
-
-        trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (value,))
+@contextlib.contextmanager
+def _optuna_logs_quiet() -> Iterator[None]:
+    """Optuna's log level at WARNING inside, as it was outside."""
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def _progress(enabled: bool, label: str) -> Any:

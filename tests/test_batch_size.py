@@ -189,6 +189,22 @@ def test_oom_or_infeasible_trial_does_not_kill_the_search(error, monkeypatch):
         assert len(freed) == len(failed)  # device memory released after every OOM
 
 
+def test_the_pareto_front_holds_the_feasible_trials_no_other_one_beats():
+    """Samples per second peak at batch 20 (the step slows down beyond it) and nothing above
+    45 fits: the front is the feasible trials from the fastest up to the largest."""
+    def trial(batch_size: int) -> TrialResult:
+        seconds = 1e-2 + 1e-3 * batch_size + (1e-4 * (batch_size - 20) ** 2 if batch_size > 20 else 0.0)
+        return TrialResult(batch_size <= 45, peak_bytes=batch_size, seconds=seconds)
+
+    result = run_search(trial, init_val=2, max_val=1000)
+    feasible = [r for r in result.trials if r.feasible]
+    front = [r for r in feasible if not any(
+        o.batch_size >= r.batch_size and o.samples_per_second >= r.samples_per_second
+        and (o.batch_size, o.samples_per_second) != (r.batch_size, r.samples_per_second) for o in feasible)]
+    assert len(front) >= 2 and result.pareto == sorted(front, key=lambda r: r.batch_size)
+    assert result.pareto[-1].batch_size == 45 and all(r.feasible for r in result.pareto)
+
+
 def test_an_unrelated_error_is_not_taken_for_an_infeasible_size():
     def trial(batch_size: int) -> TrialResult:
         raise ValueError("bug in the model")
@@ -539,3 +555,13 @@ def test_trial_bound_is_logarithmic():
     calls: list[int] = []
     run_search(threshold_trial(5000, calls), init_val=1, max_val=8192)
     assert len(calls) <= 2 * math.ceil(math.log2(8192)) + 1
+
+
+def test_the_search_leaves_optunas_log_level_as_it_found_it():
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.DEBUG)
+    try:
+        run_search(threshold_trial(5), init_val=2, max_val=16)
+        assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
+    finally:
+        optuna.logging.set_verbosity(before)

@@ -191,6 +191,10 @@ def test_a_wrong_prediction_falls_back_on_the_next_one():
     calls.clear()
     result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 15])
     assert result.largest_feasible == 16 and calls == [80, 15, 16, 18, 17]
+    # A second prediction the first one's failure already decided is not measured.
+    calls.clear()
+    result = run_search(threshold_trial(16, calls), init_val=8, max_val=1024, hint=[80, 100])
+    assert result.largest_feasible == 16 and 100 not in calls and len(calls) == len(set(calls))
 
 
 
@@ -204,7 +208,7 @@ def test_trials_measure_what_was_predicted_with_the_models_own_loss(tmp_path):
 
     torch.manual_seed(0)
     task = SyntheticTask(TinyLM(vocab=1000, dim=32, heads=2, layers=2, max_len=64), (64,), batch_size=4,
-                         dtype="long", vocab=1000, samples=512)
+                         dtype="long", vocab=1000)
     finder = RematBatchSizeFinder(memory_budget=24 * 2**20, init_val=4, max_val=512, steps_per_trial=1,
                                   compare_plain=False, progress_bar=False)
     trainer = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False,

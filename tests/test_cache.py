@@ -80,6 +80,7 @@ def test_a_plan_made_for_another_world_size_or_sharding_is_made_again_with_one_l
     lines = [str(w.message) for w in caught if "planning again" in str(w.message)]
     assert lines == ["lightning-remat: the checkpoint's plan was made for world size 2, sharding "
                      "fully_shard: Linear x6, this run asks for world size 1, sharding none: planning again"]
-    # A basis written before these fields existed still reads (as one process, unsharded).
-    old = {k: v for k, v in stored.to_dict()["basis"].items() if k not in ("world_size", "sharding")}
-    assert PlanBasis.from_dict(old) == dataclasses.replace(entry.basis)
+    # A basis without every field does not read: its plan is never reused.
+    partial = {k: v for k, v in stored.to_dict()["basis"].items() if k not in ("world_size", "sharding")}
+    assert PlanBasis.from_dict(partial) is None
+    assert PlanBasis.from_dict(stored.to_dict()["basis"]) == stored.basis

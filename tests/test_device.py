@@ -19,3 +19,17 @@ def test_module_device_falls_back_to_the_inputs_then_the_cpu():
     assert module_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     assert module_device(torch.nn.ReLU(), [torch.zeros(1, device="meta")]) == torch.device("meta")
     assert module_device(torch.nn.ReLU()) == torch.device("cpu")
+
+
+def test_move_to_device_moves_every_tensor_and_keeps_each_containers_type():
+    from collections import OrderedDict, namedtuple
+
+    from lightning_remat.device import move_to_device
+
+    Pair = namedtuple("Pair", "logits aux")
+    value = OrderedDict(out=Pair(torch.zeros(2), [torch.ones(1), 3]), name="x")
+    moved = move_to_device(value, torch.device("meta"))
+    assert type(moved) is OrderedDict and list(moved) == ["out", "name"]
+    assert type(moved["out"]) is Pair and isinstance(moved["out"].aux, list)
+    assert moved["out"].logits.device.type == "meta" and moved["out"].aux[0].device.type == "meta"
+    assert moved["out"].aux[1] == 3 and moved["name"] == "x"

@@ -42,7 +42,7 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 - ``loss_peak_bytes``: the measured peak of the loss alone, from the outputs to their
   gradients, above what the forward holds (the step's own loss: a cross-entropy over a
   vocabulary takes several times the logits; absent for the default sum, which costs
-  nothing, in safe mode and on older graphs);
+  nothing, and in safe mode);
 - ``step_seconds``: the plain step's time (CUDA: the metered plain step; CPU: the fastest timed
   instrumented step's wall time; in safe mode the sum of the vertex times);
 - ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size
@@ -530,8 +530,3 @@ class Graph:
         elif isinstance(meta, GraphMeta):
             meta = meta.copy()
         return cls(nodes, edges, meta)
-
-
-def node_fields() -> list[str]:
-    """The keys of a node object in the JSON form."""
-    return [f.name for f in fields(Node)]

@@ -73,7 +73,7 @@ CHILDREN = "children"
 """``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
 
 
-def _fsdp_unit_types() -> tuple[type, ...]:
+def fsdp_unit_types() -> tuple[type, ...]:
     """torch FSDP's unit classes (FSDP2 ``FSDPModule``, FSDP1 ``FullyShardedDataParallel``);
     none without an initialised process group (no module can be sharded then, and the FSDP
     modules are not imported for nothing)."""
@@ -87,7 +87,7 @@ def _fsdp_unit_types() -> tuple[type, ...]:
 def is_sharded_unit(module: nn.Module) -> bool:
     """Whether torch FSDP manages ``module`` as one unit (``fully_shard`` applied to it, or a
     ``FullyShardedDataParallel`` wrapper)."""
-    types = _fsdp_unit_types()
+    types = fsdp_unit_types()
     return bool(types) and isinstance(module, types)
 
 
@@ -169,7 +169,7 @@ class _ShardedUnitTracer(fx.Tracer):
 
 def _symbolic_trace(module: nn.Module, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     """``fx.symbolic_trace``, with FSDP units as leaves when the module holds any."""
-    if not _fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
+    if not fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
         return fx.symbolic_trace(module, concrete_args=concrete_args)
     tracer = _ShardedUnitTracer()
     graph = tracer.trace(module, concrete_args=concrete_args)
@@ -292,13 +292,10 @@ def _same(a: Any, b: Any) -> bool:
 def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[torch.device]) -> tuple[Any, Any]:
     """Both callables' outputs, each run from the same RNG state (so dropout draws the same
     masks), without grad, in the module's current mode; buffers restored afterwards."""
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with preserved_state(module, devices), torch.no_grad():
-        state = torch.random.get_rng_state()
-        cuda_state = [torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"]
-        out_a = run_a()
-        torch.random.set_rng_state(state)
-        for d, s in zip([d for d in devices if d.type == "cuda"], cuda_state):
-            torch.cuda.set_rng_state(s, d)
+        with torch.random.fork_rng(devices=cuda_devices):
+            out_a = run_a()
         out_b = run_b()
     return out_a, out_b
 

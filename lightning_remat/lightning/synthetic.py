@@ -18,14 +18,13 @@ class SyntheticTask(pl.LightningModule):
     the backward runs through the whole model whatever its head."""
 
     def __init__(self, model: nn.Module, sample_shape: tuple[int, ...], batch_size: int = 2,
-                 dtype: str = "float", vocab: int = 1000, samples: int = 1 << 16) -> None:
+                 dtype: str = "float", vocab: int = 1000) -> None:
         super().__init__()
         self.model = model
         self.sample_shape = tuple(sample_shape)
         self.batch_size = batch_size
         self.dtype_name = dtype
         self.vocab = vocab
-        self.samples = samples
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.model(x)

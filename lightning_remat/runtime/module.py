@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.trace import CHILDREN, Traced, fx_vertex_graph
+from lightning_remat.graph.trace import CHILDREN, Traced, fsdp_unit_types, fx_vertex_graph
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
@@ -278,12 +278,9 @@ class RematModule(nn.Module):
 
 
 def _has_fsdp_units(module: nn.Module) -> bool:
-    """Whether ``module`` holds a unit of torch's ``fully_shard`` (FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without it has no such units
-        return False
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    """Whether ``module`` holds a unit of torch FSDP (none without a process group)."""
+    types = fsdp_unit_types()
+    return bool(types) and any(isinstance(m, types) for m in module.modules())
 
 
 class _ProfilerRangesAside(TorchDispatchMode):

@@ -35,9 +35,15 @@ def _resume(url: str) -> tuple[object, list[str]]:
 def test_a_trial_left_running_is_failed_and_its_size_runs_again(tmp_path):
     url = f"sqlite:///{tmp_path / 'batch_size.db'}"
     run_search(_trial, storage=url, study_name="s", max_trials=3)  # 2, 4, 8 fit
-    study = optuna.load_study(study_name="s", storage=url, sampler=BisectionSampler())
-    stale = study.ask()
+    with warnings.catch_warnings():  # the heartbeat is experimental; ask() is outside optimize
+        warnings.simplefilter("ignore")
+        storage = optuna.storages.RDBStorage(url, heartbeat_interval=1)
+        study = optuna.load_study(study_name="s", storage=storage, sampler=BisectionSampler())
+        stale = study.ask()
     assert stale.suggest_int(PARAM, 1, 8192) == 16  # what the killed search was measuring
+    # Its last heartbeat, then the process died.
+    storage.record_heartbeat(storage.get_trial_id_from_study_id_trial_number(
+        storage.get_study_id_from_name("s"), stale.number))
     result, messages = _resume(url)
     assert messages == ["lightning-remat batch-size search (remat): 1 trial(s) of study 's' were "
                         "left running by an interrupted search (batch sizes [16]); marked them "
