@@ -77,7 +77,8 @@ def worker(name: str, device: str) -> dict:
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
     from lightning_remat.meter import peak_bytes
-    from lightning_remat.solvers.simulate import make_plan, simulate
+    from lightning_remat.solvers.scoring import make_plan
+    from lightning_remat.solvers.simulate import simulate
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     batch, _ = MODELS[name]

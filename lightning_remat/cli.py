@@ -269,7 +269,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     the recomputation time every solver's plan is given), whatever the file states."""
     import json
 
-    from lightning_remat.solvers.simulate import make_plan
+    from lightning_remat.solvers.scoring import make_plan
 
     graph = load_graph(args.graph)
     name = "standard input" if str(args.plans) == "-" else str(args.plans)

@@ -25,7 +25,7 @@ from lightning_remat.device import preserved_state
 from lightning_remat.graph.trace import build_fx_graph, default_loss, trace_module
 from lightning_remat.runtime.module import RematModule, apply_plan
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 from tests.models import ResidualCNN, tiny_lm
 
 TOL = 1e-6

@@ -3,7 +3,7 @@ import pytest
 from lightning_remat import RematInfeasibleError, parse_budget
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan, plain_plan
+from lightning_remat.solvers.scoring import make_plan, plain_plan
 
 
 @pytest.mark.parametrize(

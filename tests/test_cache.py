@@ -4,7 +4,7 @@ import pytest
 
 from lightning_remat.cache import PlanBasis, PlanCache
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 
 def _setup(tmp_path):

@@ -16,7 +16,7 @@ from lightning_remat.solvers.chen import (
     solve_chen_greedy,
     solve_chen_sqrt,
 )
-from lightning_remat.solvers.simulate import plain_plan
+from lightning_remat.solvers.scoring import plain_plan
 
 
 def residual(blocks: int) -> Graph:

@@ -21,7 +21,7 @@ from lightning_remat.solvers.feng import (
     solve_linear,
     two_endpoint_segments,
 )
-from lightning_remat.solvers.simulate import plain_plan
+from lightning_remat.solvers.scoring import plain_plan
 
 # ---- graphs -------------------------------------------------------------------------------
 

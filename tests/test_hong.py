@@ -20,7 +20,7 @@ from lightning_remat.solvers.hong import (
     solve_hong_cubic,
     solve_hong_linear,
 )
-from lightning_remat.solvers.simulate import plain_plan
+from lightning_remat.solvers.scoring import plain_plan
 
 # ---- oracles ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from lightning_remat.solvers.kusumoto import (
     solve_exact_tc,
 )
 from lightning_remat.solvers.plan import Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

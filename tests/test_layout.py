@@ -27,6 +27,7 @@ FLOW: list[tuple[str, ...]] = [
     ("solvers.plan",),
     ("solvers.schedule",),
     ("solvers.simulate",),
+    ("solvers.stage_costs", "solvers.scoring"),
     ("solvers.feng.linear", "solvers.feng.segments", "solvers.kusumoto.bits",
      "solvers.beaumont.chain"),
     ("solvers.feng.division", "solvers.kusumoto.family", "solvers.beaumont.schedule"),

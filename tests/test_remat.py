@@ -115,7 +115,7 @@ def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_devi
     plan's predicted extra time includes it."""
     from lightning_remat.runtime.module import measure_recompute_overhead
     from lightning_remat.solvers.schedule import make_schedule
-    from lightning_remat.solvers.simulate import recomputed_seconds
+    from lightning_remat.solvers.scoring import recomputed_seconds
 
     rng, filters, grad = torch.get_rng_state(), list(warnings.filters), torch.is_grad_enabled()
     per_stage, per_vertex = measure_recompute_overhead("cpu", refresh=True)

@@ -30,7 +30,8 @@ from lightning_remat.graph.trace import trace_module
 from lightning_remat.runtime.module import apply_plan
 from lightning_remat.solvers.plan import Stage
 from lightning_remat.solvers.schedule import Schedule, make_schedule
-from lightning_remat.solvers.simulate import make_plan, simulate
+from lightning_remat.solvers.scoring import make_plan
+from lightning_remat.solvers.simulate import simulate
 
 WIDTH, BATCH = 8, 4
 BINARY = ("iadd", "skip")

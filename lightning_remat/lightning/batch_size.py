@@ -85,7 +85,7 @@ from lightning_remat.planner import (
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.runtime.module import measure_recompute_overhead
 from lightning_remat.solvers import SOLVERS, min_budget, simulate, solve
-from lightning_remat.solvers.simulate import model_margin
+from lightning_remat.solvers.scoring import model_margin
 from lightning_remat.tuning import (
     SearchResult,
     TrialFn,

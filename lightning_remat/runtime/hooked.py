@@ -37,7 +37,7 @@ from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import fits
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "per_submodule_plan"]
 

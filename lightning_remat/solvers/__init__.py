@@ -21,7 +21,8 @@ from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import auto, beaumont, chen, feng, hong, kusumoto
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan, plain_plan, simulate, solve_plain
+from lightning_remat.solvers.scoring import make_plan, plain_plan, solve_plain
+from lightning_remat.solvers.simulate import simulate
 
 __all__ = [
     "SOLVERS", "Paper", "Plan", "SolverEntry", "Stage", "fits", "get_solver", "make_plan",

@@ -24,7 +24,7 @@ import math
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = ["candidate_cuts", "solve_chen_greedy", "solve_chen_sqrt"]
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "articulation_chain",

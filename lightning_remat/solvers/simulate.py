@@ -48,7 +48,7 @@ the recomputed ops that read them, and then it is back-propagated. In-place ops 
 executor rewrites (the schedule's ``rewritten``) own their storage. ``whole_stages=True``
 models the tracing fallback instead, which runs a recomputed stage again whole.
 
-The peak is also a fold over stages (:func:`stage_costs`), the form Kusumoto et al.'s DP
+The peak is also a fold over stages (``solvers.stage_costs``), the form Kusumoto et al.'s DP
 uses (``solvers.kusumoto``). An
 ``offload`` stage runs as ``keep`` during its forward; when its forward ends, what its ops
 saved leaves the device (the device references are dropped), and it comes back as fresh
@@ -60,9 +60,9 @@ op's forward to its backward, and values are freed when forward-dead.
 What is counted is the step's memory above what is resident before it: inputs and
 parameters are not counted (docs/design.md section 6). Runtime is O(n + e).
 
-Length: the simulator is the one model of a step, and ``make_plan`` (every solver's way of
-turning stages into a scored Plan) is its only client in the solvers; keeping them together
-keeps that model in one place.
+Length: the simulator is the one model of a step (what every solver's plan is scored by,
+``solvers.scoring``); split, its forward, recomputation and backward would share their
+storage bookkeeping across modules.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from typing import Any
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS, VIEW_OPS
-from lightning_remat.solvers.plan import Plan, Stage, boundary
+from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import Schedule, ScheduleParts, data_edges, make_schedule
 
 
@@ -166,83 +166,14 @@ def _is_gradient(key: object) -> bool:
 
 
 @dataclass
-class VertexCosts:
-    """What the simulator charges each vertex (for solvers that bound its figures)."""
-
-    size: dict[str, int]
-    """Bytes the output allocates (0 for a view of an input or parameter)."""
-    gradients: dict[str, int]
-    """Bytes of gradients (of values and of parameters) and transients live at the peak of
-    the vertex's backward, or its forward workspace if larger. Every plan back-propagates in
-    the same order, so this does not depend on the plan."""
-    extra: dict[str, int]
-    """Bytes the op saves besides forward values."""
-    param_bytes: dict[str, int]
-    """Bytes of the gradients of the op's parameters."""
-    views: set[str] = field(default_factory=set)
-    """Vertices whose output is a view of another vertex's storage: they allocate nothing
-    under any plan (an in-place op may get a storage of its own, ``Schedule.rewritten``)."""
-    storage: dict[str, int] = field(default_factory=dict)
-    """Bytes of the storage each vertex's output lives in: its base's for a view (a kept
-    slice holds the whole tensor it was cut from)."""
-
-
-def vertex_costs(graph: Graph) -> VertexCosts:
-    """The per-vertex figures the simulator works with, from the graph's costs and meta."""
-    sim = _StepSimulation(graph, None)
-    if graph.ids:
-        sim.run()
-    gradients = {v: max(sim.gradient_peak.get(v, 0), graph[v].ws_fwd) for v in graph.ids}
-    views = {v for v in graph.ids if sim.base[v] != v and v not in sim.shared.inplace}
-    storage = {v: max(sim.size[sim.base[v]], sim.size[v]) if v in views else sim.size[v] for v in graph.ids}
-    return VertexCosts(dict(sim.size), gradients, dict(sim.extra), dict(sim.param_bytes), views, storage)
-
-
-@dataclass
-class StageCost:
-    """One stage's part of a step's peak (docs/design.md section 4.7): the step's peak is
-    ``max over stages of (cache before the stage + peak_above_cache)``, the cache before
-    stage i being the sum of ``cache_bytes`` of the stages before it (Kusumoto et al.'s
-    ``U(i-1)``)."""
-
-    peak_above_cache: int
-    """The highest live bytes during the stage's forward, recomputation and backward, less
-    the cache the earlier stages hold."""
-    cache_bytes: int
-    """What the stage holds from its forward to its recomputation: its kept boundary values
-    and their extra saved outputs."""
-
-
-def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
-    """The step's peak under ``plan`` as a fold over its stages (see :class:`StageCost`).
-    A stage's ``peak_above_cache`` depends only on the stage's vertices and what came before
-    it as a set, not on how the earlier vertices were staged, so Kusumoto et al.'s DP over
-    lower sets can use it (``solvers.kusumoto``)."""
-    sim = _StepSimulation(graph, plan)
-    timeline = sim.run() if graph.ids else Timeline()
-    peaks = [0] * len(sim.stages)
-    for event in timeline.events:
-        peaks[event.stage] = max(peaks[event.stage], event.peak_bytes)
-    costs: list[StageCost] = []
-    cache = 0
-    for k, peak in enumerate(peaks):
-        costs.append(StageCost(peak - cache, sim.kept_bytes[k]))
-        cache += sim.kept_bytes[k]
-    return costs
-
-
-@dataclass
 class _Gradients:
     """The gradient storages live when the backward of the stages after some stage has
-    finished (keyed as in ``_StepSimulation``), and which value each belongs to."""
+    finished (keyed as in ``StepSimulation``), and which value each belongs to."""
 
     storages: list[tuple[object, int, int]]
     """(key, bytes, references) of each live gradient storage."""
     grad_of: dict[str, object]
     fresh: int
-
-
-_PREFIX_STATES = 4096  # forward states kept per graph (each about its kept boundary's size)
 
 
 class SharedSteps:
@@ -260,7 +191,7 @@ class SharedSteps:
         self.parts = ScheduleParts.of(graph, self.succ)
         self.inplace, self.outputs = self.parts.inplace, self.parts.outputs
         self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
-        self.prefixes: dict[tuple, dict[str, Any]] = {}  # _StepSimulation.forward_state
+        self.prefixes: dict[tuple, dict[str, Any]] = {}  # StepSimulation.forward_state
 
     def tail_gradients(self, tail: list[list[str]]) -> _Gradients:
         """The gradients left when the kept stages ``tail`` (the step's last, in order) have
@@ -273,44 +204,13 @@ class SharedSteps:
             head = [v for v in self.graph.ids if v not in in_tail]
             plan = Plan([Stage(head, "recompute"), *(Stage(list(s), "keep") for s in tail)],
                         [], 0, 0.0, "", True)
-            sim = _StepSimulation(self.graph, plan, shared=self)
+            sim = StepSimulation(self.graph, plan, shared=self)
             sim.run(stop_after=1)
             mem = sim.mem
             found = self.tails[key] = _Gradients(
                 [(k, mem.size[k], mem.refs[k]) for k in mem.refs if _is_gradient(k)],
                 dict(sim.grad_of), sim.fresh)
         return found
-
-
-def stage_cost(graph: Graph, plan: Plan, k: int, shared: SharedSteps | None = None) -> StageCost:
-    """``stage_costs(graph, plan)[k]``, simulating only what can change its figures: up to
-    the end of stage k's backward, and where every later stage is kept, not those stages
-    either (they leave stage k's backward only their gradients,
-    :meth:`SharedSteps.tail_gradients`; what they held of earlier values is gone by then)."""
-    shared = shared if shared is not None else SharedSteps(graph)
-    sim = _StepSimulation(graph, plan, shared=shared)
-    peak = 0
-    if graph.ids:
-        if k > 0:
-            # The forward of the stages before k is the same for every plan that begins
-            # with them and rewrites the same in-place ops (the DP's sources).
-            key = (tuple((tuple(s), a) for s, a in zip(sim.stages[:k], sim.actions)),
-                   frozenset(sim.own_storage))
-            state = shared.prefixes.get(key)
-            if state is None:
-                for j in range(k):
-                    sim._forward_stage(j)
-                if len(shared.prefixes) >= _PREFIX_STATES:
-                    shared.prefixes.clear()
-                state = shared.prefixes[key] = sim.forward_state()
-            sim.resume_forward(state)
-            sim.timeline = Timeline()
-        tail = plan.stages[k + 1:]
-        skip = bool(tail) and all(s.action == "keep" for s in tail)
-        for event in sim.run(stop_after=k, skip_tail=skip).events:
-            if event.stage == k:
-                peak = max(peak, event.peak_bytes)
-    return StageCost(peak - sum(sim.kept_bytes[:k]), sim.kept_bytes[k])
 
 
 def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False,
@@ -323,10 +223,10 @@ def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = Fal
     keeping its boundary."""
     if not graph.ids:
         return Timeline()
-    return _StepSimulation(graph, plan, whole_stages, schedule=schedule).run()
+    return StepSimulation(graph, plan, whole_stages, schedule=schedule).run()
 
 
-class _StepSimulation:
+class StepSimulation:
     """One training step under a plan, op by op, as the module docstring describes: the
     per-vertex data is read from the graph once, then the forward runs stage by stage, the
     loss, and the backward stage by stage in reverse (a recomputed stage's forward, or an
@@ -414,7 +314,7 @@ class _StepSimulation:
         if skip_tail and stop_after is not None and stop_after < last:
             last = stop_after
         for k in range(self.forward_done, last + 1):
-            self._forward_stage(k)
+            self.forward_stage(k)
         if last < len(self.stages) - 1:
             self._skip_tail(last)
         else:
@@ -560,7 +460,7 @@ class _StepSimulation:
             self.held[v].append(key)
 
     # ---- forward and loss ------------------------------------------------------------------
-    def _forward_stage(self, k: int) -> None:
+    def forward_stage(self, k: int) -> None:
         self.forward_done = k + 1
         in_closure: set[object] = set()
         for v in self.stages[k]:
@@ -822,107 +722,3 @@ class _StepSimulation:
         mem.release(incoming)
         self.grad_of[u] = summed
         return transient
-
-
-# ---- plans scored by the simulator ------------------------------------------------------
-
-
-def make_plan(
-    graph: Graph,
-    stages: list[Stage] | list[tuple[list[str], str]],
-    solver: str,
-    budget_bytes: int | None = None,
-    stored: list[str] | None = None,
-    extra_seconds: float | None = None,
-    notes: list[str] | None = None,
-    *,
-    whole_stages: bool = False,
-) -> Plan:
-    """A Plan with its derived fields filled in: stages ordered topologically inside,
-    ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
-    predicted peak and margin, the recomputation time (default: the forward time of what
-    the executor runs again, ``Schedule.recomputed``) and ``feasible`` (predicted peak
-    plus margin within the budget; True without a budget). ``whole_stages``: as
-    :func:`simulate`'s."""
-    stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
-    for s in stage_list:
-        s.nodes = sorted(s.nodes, key=graph.position)
-    if stored is None:
-        crossing = set(boundary(graph, stage_list))
-        kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
-        stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
-    plan = Plan(
-        stages=stage_list,
-        stored=list(stored),
-        predicted_peak_bytes=0,
-        predicted_extra_seconds=float(extra_seconds or 0.0),
-        solver=solver,
-        feasible=True,
-        notes=list(notes or []),
-    )
-    plan.validate(graph)
-    schedule = make_schedule(graph, plan, whole_stages=whole_stages)
-    if extra_seconds is None:
-        plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
-    plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
-    plan.margin_bytes = model_margin(graph)
-    plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
-    return plan
-
-
-SMALL_TENSOR_BYTES = 64
-"""Per vertex, on the CPU: the small tensors a step makes that no vertex's cost holds (a
-scalar loss, a BatchNorm's ``num_batches_tracked`` update, statistics rounded to storage
-sizes). The CPU meter counts every storage (docs/design.md section 6); measured on the
-tests' models the simulator is within a few hundred bytes of it."""
-
-CUDA_BLOCK_BYTES = 512
-"""The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
-
-
-def model_margin(graph: Graph) -> int:
-    """The known error of the model of a step, which a budget must cover beyond the
-    predicted peak (docs/design.md section 4.7): on CUDA the allocator's rounding, up to one
-    block for each storage that can be live at once (each vertex's value, its saved state
-    and its gradient, and each parameter gradient); on other devices
-    ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
-    is its own exact model: no margin."""
-    if graph.meta.device is None:
-        return 0
-    device = str(graph.meta.device)
-    n = len(graph)
-    if device.startswith("cuda"):
-        params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
-        return CUDA_BLOCK_BYTES * (3 * n + params)
-    return SMALL_TENSOR_BYTES * n
-
-
-def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
-    """The forward time of what the executor recomputes (``Schedule.recomputed``):
-    Kusumoto et al.'s eq. 1 for the plan's stages."""
-    return float(sum(graph.total("t_fwd", vs) for vs in schedule.recomputed))
-
-
-def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
-    """The executor's own time for one recomputed stage of ``n_vertices`` vertices, beyond
-    the ops it runs again (docs/design.md section 4.7): ``meta.recompute_stage_seconds +
-    n_vertices * meta.recompute_vertex_seconds``, 0 where the profile has neither."""
-    meta = graph.meta
-    return float(meta.recompute_stage_seconds or 0.0) + n_vertices * float(meta.recompute_vertex_seconds or 0.0)
-
-
-def executor_seconds(graph: Graph, schedule: Schedule) -> float:
-    """The executor's own time under a schedule: :func:`stage_overhead_seconds` for each
-    recomputed stage (each runs under checkpoint and its selective policy, even one whose
-    vertices are all kept)."""
-    return sum(stage_overhead_seconds(graph, len(s.vertices)) for s in schedule.stages
-               if s.action == "recompute")
-
-
-def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
-    """Keep everything: the plan of ordinary training."""
-    return make_plan(graph, [Stage(graph.ids, "keep")], "plain", budget_bytes)
-
-
-def solve_plain(graph: Graph, budget_bytes: int | None = None, **_: object) -> Plan:
-    return plain_plan(graph, budget_bytes)

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_remat.cache import PlanBasis, PlanCache
 from lightning_remat.graph.ir import Graph
 from lightning_remat.planner import Planner, PlanSettings
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 from lightning_remat.tuning import TrialResult, run_search
 
 PAGE = 4096

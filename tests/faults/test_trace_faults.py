@@ -14,7 +14,7 @@ from torch import nn
 from lightning_remat import remat
 from lightning_remat.errors import TraceError
 from lightning_remat.solvers.plan import Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 
 def block(width: int, dropout: float = 0.0) -> nn.Sequential:

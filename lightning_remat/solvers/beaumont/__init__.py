@@ -49,7 +49,7 @@ from lightning_remat.solvers.beaumont.greedy import (
 )
 from lightning_remat.solvers.beaumont.schedule import Schedule, simulate_schedule
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "Chain", "Schedule", "chain_from_graph", "articulation_stages", "lower_bound", "peak_memory",

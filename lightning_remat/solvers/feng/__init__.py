@@ -46,7 +46,7 @@ from lightning_remat.solvers.feng.segments import (
     two_endpoint_segments,
 )
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "DivisionNode", "FengSolution", "Segment", "division_tree", "min_budget_solve_feng", "objective",

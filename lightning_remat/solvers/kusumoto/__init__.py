@@ -15,7 +15,7 @@ module follows that statement exactly (paper equation numbers in brackets):
 - stage memory: not eq. 2 (which has no liveness and no parameter gradients) but the
   simulator's, the one model of a step (docs/design.md sections 4.4 and 4.7): the peak is
   ``max over i of U(i-1) + f(L(i-1), Li)`` with ``f`` the stage's own peak above the cache
-  (``simulate.stage_costs``) and the cache additive, ``U(i) = U(i-1) + kept(L(i-1), Li)``
+  (``stage_costs.stage_costs``) and the cache additive, ``U(i) = U(i-1) + kept(L(i-1), Li)``
   (the stage's kept boundary values and their extra saved outputs). The exact DP, and the
   approximate one where simulating every pair is cheap, take ``f`` and ``kept`` from the
   simulator (exact). Otherwise the approximate DP uses an upper bound, vectorised:
@@ -64,7 +64,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.kusumoto.bits import all_lower_sets, approximate_sets, graph_bits
 from lightning_remat.solvers.kusumoto.family import LowerSetFamily
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import make_plan, model_margin
+from lightning_remat.solvers.scoring import make_plan, model_margin
 
 __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",

@@ -19,7 +19,8 @@ import numpy as np
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import random_vertices
 from lightning_remat.solvers.schedule import data_edges
-from lightning_remat.solvers.simulate import SharedSteps, vertex_costs
+from lightning_remat.solvers.simulate import SharedSteps
+from lightning_remat.solvers.stage_costs import vertex_costs
 
 __all__ = ["GraphBits", "all_lower_sets", "ancestor_sets", "approximate_sets", "graph_bits"]
 

@@ -32,11 +32,9 @@ import numpy as np
 
 from lightning_remat.solvers.kusumoto.bits import GraphBits
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.simulate import (
-    SharedSteps,
-    stage_cost,
-    stage_overhead_seconds,
-)
+from lightning_remat.solvers.scoring import stage_overhead_seconds
+from lightning_remat.solvers.simulate import SharedSteps
+from lightning_remat.solvers.stage_costs import stage_cost
 
 __all__ = ["LowerSetFamily"]
 
@@ -172,7 +170,7 @@ class LowerSetFamily:
         return result
 
     def _simulated_costs(self, sources: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """The simulator's own stage costs (``simulate.stage_costs``) for each source L and
+        """The simulator's own stage costs (``stage_costs.stage_costs``) for each source L and
         target L': the plan [L recomputed, L' less L, the rest kept] is simulated and the
         middle stage's cost read off; it does not depend on how L itself is staged."""
         graph, ids = self.bits.graph, self.bits.ids

@@ -1,0 +1,118 @@
+"""Plans scored by the simulator: every solver turns its stages into a :class:`Plan` with
+:func:`make_plan`, which fills in the predicted peak (``solvers.simulate``), the margin the
+model of a step leaves (docs/design.md section 4.7) and the extra time (Kusumoto et al.'s
+eq. 1 for what the schedule recomputes, plus the executor's own time).
+"""
+
+from __future__ import annotations
+
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.plan import Plan, Stage, boundary
+from lightning_remat.solvers.schedule import Schedule, make_schedule
+from lightning_remat.solvers.simulate import simulate
+
+__all__ = [
+    "CUDA_BLOCK_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds", "make_plan", "model_margin",
+    "plain_plan", "recomputed_seconds", "solve_plain", "stage_overhead_seconds",
+]
+
+
+def make_plan(
+    graph: Graph,
+    stages: list[Stage] | list[tuple[list[str], str]],
+    solver: str,
+    budget_bytes: int | None = None,
+    stored: list[str] | None = None,
+    extra_seconds: float | None = None,
+    notes: list[str] | None = None,
+    *,
+    whole_stages: bool = False,
+) -> Plan:
+    """A Plan with its derived fields filled in: stages ordered topologically inside,
+    ``stored`` (default: the boundary plus every vertex of a kept stage), the simulator's
+    predicted peak and margin, the recomputation time (default: the forward time of what
+    the executor runs again, ``Schedule.recomputed``) and ``feasible`` (predicted peak
+    plus margin within the budget; True without a budget). ``whole_stages``: as
+    :func:`simulate`'s."""
+    stage_list = [s if isinstance(s, Stage) else Stage(list(s[0]), s[1]) for s in stages]
+    for s in stage_list:
+        s.nodes = sorted(s.nodes, key=graph.position)
+    if stored is None:
+        crossing = set(boundary(graph, stage_list))
+        kept = {nid for s in stage_list if s.action != "recompute" for nid in s.nodes}
+        stored = [nid for nid in graph.ids if nid in crossing or nid in kept]
+    plan = Plan(
+        stages=stage_list,
+        stored=list(stored),
+        predicted_peak_bytes=0,
+        predicted_extra_seconds=float(extra_seconds or 0.0),
+        solver=solver,
+        feasible=True,
+        notes=list(notes or []),
+    )
+    plan.validate(graph)
+    schedule = make_schedule(graph, plan, whole_stages=whole_stages)
+    if extra_seconds is None:
+        plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
+    plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
+    plan.margin_bytes = model_margin(graph)
+    plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
+    return plan
+
+
+SMALL_TENSOR_BYTES = 64
+"""Per vertex, on the CPU: the small tensors a step makes that no vertex's cost holds (a
+scalar loss, a BatchNorm's ``num_batches_tracked`` update, statistics rounded to storage
+sizes). The CPU meter counts every storage (docs/design.md section 6); measured on the
+tests' models the simulator is within a few hundred bytes of it."""
+
+CUDA_BLOCK_BYTES = 512
+"""The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
+
+
+def model_margin(graph: Graph) -> int:
+    """The known error of the model of a step, which a budget must cover beyond the
+    predicted peak (docs/design.md section 4.7): on CUDA the allocator's rounding, up to one
+    block for each storage that can be live at once (each vertex's value, its saved state
+    and its gradient, and each parameter gradient); on other devices
+    ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
+    is its own exact model: no margin."""
+    if graph.meta.device is None:
+        return 0
+    device = str(graph.meta.device)
+    n = len(graph)
+    if device.startswith("cuda"):
+        params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
+        return CUDA_BLOCK_BYTES * (3 * n + params)
+    return SMALL_TENSOR_BYTES * n
+
+
+def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
+    """The forward time of what the executor recomputes (``Schedule.recomputed``):
+    Kusumoto et al.'s eq. 1 for the plan's stages."""
+    return float(sum(graph.total("t_fwd", vs) for vs in schedule.recomputed))
+
+
+def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
+    """The executor's own time for one recomputed stage of ``n_vertices`` vertices, beyond
+    the ops it runs again (docs/design.md section 4.7): ``meta.recompute_stage_seconds +
+    n_vertices * meta.recompute_vertex_seconds``, 0 where the profile has neither."""
+    meta = graph.meta
+    return float(meta.recompute_stage_seconds or 0.0) + n_vertices * float(meta.recompute_vertex_seconds or 0.0)
+
+
+def executor_seconds(graph: Graph, schedule: Schedule) -> float:
+    """The executor's own time under a schedule: :func:`stage_overhead_seconds` for each
+    recomputed stage (each runs under checkpoint and its selective policy, even one whose
+    vertices are all kept)."""
+    return sum(stage_overhead_seconds(graph, len(s.vertices)) for s in schedule.stages
+               if s.action == "recompute")
+
+
+def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
+    """Keep everything: the plan of ordinary training."""
+    return make_plan(graph, [Stage(graph.ids, "keep")], "plain", budget_bytes)
+
+
+def solve_plain(graph: Graph, budget_bytes: int | None = None, **_: object) -> Plan:
+    return plain_plan(graph, budget_bytes)
