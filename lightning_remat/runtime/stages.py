@@ -41,7 +41,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.graph.ops import keepable, mutated_operand
@@ -320,7 +322,7 @@ def _build_programs(
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
         ))
-    output_structure = fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name))
+    output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
     return programs, output_structure
 
 
@@ -407,22 +409,25 @@ class RestoreNormStatistics:
 
 
 def rebuild_output(structure: Any, env: dict[str, Any]) -> Any:
-    """The forward's output from its traced structure: plain dicts and lists (fx stores
-    them as immutable_dict/immutable_list), tuples and named tuples as they were."""
-    if isinstance(structure, Ref):
-        return env[structure.name]
-    if isinstance(structure, tuple):
-        items = [rebuild_output(v, env) for v in structure]
-        return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
-    if isinstance(structure, list):
-        return [rebuild_output(v, env) for v in structure]
-    if isinstance(structure, dict):
-        return {k: rebuild_output(v, env) for k, v in structure.items()}
-    if isinstance(structure, slice):
-        return slice(rebuild_output(structure.start, env), rebuild_output(structure.stop, env),
-                     rebuild_output(structure.step, env))
-    return structure
+    """The forward's output from its traced structure (:class:`Ref` leaves), containers and
+    named tuples as they were."""
+    return pytree.tree_map_only(Ref, lambda ref: env[ref.name], structure)
 
+
+def _plain_containers(structure: Any) -> Any:
+    """fx keeps a forward's output lists and dicts as ``immutable_list``/``immutable_dict``:
+    the same structure with the plain types the forward returned."""
+    leaves, spec = pytree.tree_flatten(structure)
+    return pytree.tree_unflatten(leaves, _plain_spec(spec))
+
+
+def _plain_spec(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    if spec.is_leaf():
+        return spec
+    kind = {immutable_list: list, immutable_dict: dict}.get(spec.type, spec.type)
+    # children() is torch 2.13's name for what torch 2.4 to 2.12 hold as children_specs
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    return pytree.TreeSpec(kind, spec.context, [_plain_spec(c) for c in children])
 
 
 @dataclass
