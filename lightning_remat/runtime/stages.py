@@ -425,7 +425,7 @@ def _plain_spec(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     if spec.is_leaf():
         return spec
     kind = {immutable_list: list, immutable_dict: dict}.get(spec.type, spec.type)
-    # children() is torch 2.13's name for what torch 2.4 to 2.12 hold as children_specs
+    # children(): newer torch; children_specs (deprecated there): older ones
     children = spec.children() if hasattr(spec, "children") else spec.children_specs
     return pytree.TreeSpec(kind, spec.context, [_plain_spec(c) for c in children])
 
