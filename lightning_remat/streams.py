@@ -26,7 +26,7 @@ CPU tests run the logic around them through this stand-in or through fakes of
 - ``graph/instruments.py``: ``Clock``'s CUDA events, its ``torch.cuda._sleep`` backlog and
   ``_dispatch_backlog_cycles`` (the timing logic runs on a simulated timeline);
 - ``lightning/memory_timeline.py``: the allocator counter reads (run on fakes);
-- ``lightning/batch_size.py``: ``max_memory_reserved`` and the step-time synchronise;
+- ``lightning/trial.py``: ``max_memory_reserved`` and the step-time synchronise;
 - ``messages.py``: ``DistributedRanks``' extra gloo group under NCCL;
 - ``device.py``: ``default_budget``'s ``mem_get_info`` and counters, ``device_name``.
 """

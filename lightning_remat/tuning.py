@@ -1,7 +1,7 @@
 """The largest feasible batch size: an Optuna study over one integer (docs/design.md section 7).
 
 A *trial* is a function ``batch_size -> TrialResult``: plan for that batch size, run a few
-real steps and measure the peak (see :mod:`lightning_remat.lightning.batch_size` for the
+real steps and measure the peak (see :mod:`lightning_remat.lightning.trial` for the
 Lightning trial). This module holds what does not depend on Lightning:
 
 - :class:`BisectionSampler`, an Optuna sampler that exploits monotone feasibility (a batch

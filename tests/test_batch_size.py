@@ -17,12 +17,8 @@ from pytorch_lightning.tuner import batch_size_scaling
 
 from lightning_remat.callbacks import RematBatchSizeFinder
 from lightning_remat.errors import RematInfeasibleError
-from lightning_remat.lightning.batch_size import (
-    LightningTrial,
-    SearchSettings,
-    find_max_batch_size,
-    resize_batch,
-)
+from lightning_remat.lightning.batch_size import find_max_batch_size
+from lightning_remat.lightning.trial import LightningTrial, SearchSettings, resize_batch
 from lightning_remat.planner import PlanSettings
 from lightning_remat.tuning import (
     BisectionSampler,
@@ -435,7 +431,7 @@ def test_trial_steps_run_lightnings_backward_clipping_and_optimizer_step(tmp_pat
 
 
 def test_the_private_lightning_names_the_search_uses_exist(tmp_path):
-    """batch_size.py reads ``fit_loop._data_source`` and resets ``fit_loop._combined_loader``
+    """The search (batch_size.py, trial.py) reads ``fit_loop._data_source`` and resets ``fit_loop._combined_loader``
     (as Lightning's BatchSizeFinder does), and ends fit with ``_TunerExitException``;
     pyproject.toml bounds pytorch-lightning to the versions where they exist. A dataloader
     built before the search (configure_optimizers reading estimated_stepping_batches) is

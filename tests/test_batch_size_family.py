@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_remat.lightning.batch_size as batch_size_mod
+import lightning_remat.lightning.trial as trial_mod
 import lightning_remat.planner as planner_mod
 from lightning_remat import RematStrategy
 from lightning_remat.callbacks import RematBatchSizeFinder
@@ -138,9 +139,9 @@ def test_search_profiles_once_and_training_reuses_its_plan(tmp_path, monkeypatch
             return original(*args, **kwargs)
         return profile
 
-    monkeypatch.setattr(batch_size_mod, "profile_module", counting(batch_size_mod.profile_module, "search", profiled))
+    monkeypatch.setattr(trial_mod, "profile_module", counting(trial_mod.profile_module, "search", profiled))
     monkeypatch.setattr(planner_mod, "profile_module", counting(planner_mod.profile_module, "planner", profiled))
-    monkeypatch.setattr(batch_size_mod, "trace_module", counting(batch_size_mod.trace_module, "search", traced))
+    monkeypatch.setattr(trial_mod, "trace_module", counting(trial_mod.trace_module, "search", traced))
     monkeypatch.setattr(planner_mod, "trace_module", counting(planner_mod.trace_module, "planner", traced))
     budget = 16 * 2**20
     torch.manual_seed(0)

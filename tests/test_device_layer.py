@@ -109,7 +109,7 @@ def test_a_batch_size_trial_reads_the_default_budget_once_the_optimizer_state_ex
     optimizer state exists it would count that state as free, so the budget would not bind."""
     import pytorch_lightning as pl
 
-    import lightning_remat.lightning.batch_size as batch_size
+    import lightning_remat.lightning.trial as trial_module
     from tests.test_batch_size import SizedConvNet, _search_settings, small_trainer
 
     seen: dict = {}
@@ -123,10 +123,10 @@ def test_a_batch_size_trial_reads_the_default_budget_once_the_optimizer_state_ex
                 reads.append(len(optimizer.state))
                 return 10**9 - 10**6 * len(optimizer.state)
 
-            monkeypatch.setattr(batch_size, "default_budget", available)
+            monkeypatch.setattr(trial_module, "default_budget", available)
             settings = dataclasses.replace(_search_settings(trainer, 10**9), budget_from_device=True)
-            trial = batch_size.LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
-                                              solver="plain", settings=settings)
+            trial = trial_module.LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                                solver="plain", settings=settings)
             seen["result"], seen["reads"] = trial(4), reads
             seen["state_after"] = len(optimizer.state)
             raise pl.utilities.exceptions._TunerExitException()

@@ -45,6 +45,7 @@ FLOW: list[tuple[str, ...]] = [
     ("lightning.memory_timeline", "lightning.synthetic"),
     ("lightning.strategy",),
     ("lightning.fsdp",),
+    ("lightning.trial",),
     ("lightning.batch_size",),
     ("callbacks",),
     ("cli",),

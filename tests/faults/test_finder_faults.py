@@ -6,13 +6,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_remat.lightning import batch_size as batch_size_module
-from lightning_remat.lightning.batch_size import (
-    LightningTrial,
-    MeasurementError,
-    SearchSettings,
-    find_max_batch_size,
-)
+from lightning_remat.lightning import trial as trial_module
+from lightning_remat.lightning.batch_size import find_max_batch_size
+from lightning_remat.lightning.trial import LightningTrial, MeasurementError, SearchSettings
 from lightning_remat.planner import PlanSettings
 from tests.lit_models import ConvNet, loaders
 
@@ -65,7 +61,7 @@ def run_trial(tmp_path, budget_bytes: int, batch_size: int = 4):
 
 
 def test_a_zero_reading_under_a_budget_below_the_gradients_is_infeasible(tmp_path, monkeypatch):
-    monkeypatch.setattr(batch_size_module, "peak_bytes", zero_meter)
+    monkeypatch.setattr(trial_module, "peak_bytes", zero_meter)
     model, outcome = run_trial(tmp_path, budget_bytes=1000)
     result = outcome["result"]
     assert not result.feasible
@@ -74,7 +70,7 @@ def test_a_zero_reading_under_a_budget_below_the_gradients_is_infeasible(tmp_pat
 
 
 def test_a_zero_reading_is_a_failed_measurement_not_a_fit(tmp_path, monkeypatch):
-    monkeypatch.setattr(batch_size_module, "peak_bytes", zero_meter)
+    monkeypatch.setattr(trial_module, "peak_bytes", zero_meter)
     _, outcome = run_trial(tmp_path, budget_bytes=2**30)
     assert "result" not in outcome, outcome
     assert "a failed measurement, not a fit" in str(outcome["error"])
@@ -85,7 +81,7 @@ def test_a_reading_below_the_gradients_is_a_failed_measurement(tmp_path, monkeyp
         fn()
         return 16  # some bytes, fewer than any gradient of the model
 
-    monkeypatch.setattr(batch_size_module, "peak_bytes", short_meter)
+    monkeypatch.setattr(trial_module, "peak_bytes", short_meter)
     _, outcome = run_trial(tmp_path, budget_bytes=2**30)
     assert "result" not in outcome, outcome
     assert "a peak of 16 B" in str(outcome["error"])
