@@ -157,8 +157,8 @@ def expected_recomputation(schedule: Schedule, per_vertex: dict[str, list[Any]])
     op runs in its out-of-place form, which is keepable)."""
     expected: list[Any] = []
     for stage in reversed(schedule.stages):
-        if stage.action != "recompute":
-            continue
+        if stage.action != "recompute" or not stage.runs_again:
+            continue  # a stage that saves nothing is never run again
         for v in stage.vertices:
             ops = per_vertex.get(v, [])
             if v in stage.kept:
@@ -262,8 +262,9 @@ def test_the_schedule_is_the_plan_compiled_once() -> None:
             if stage.action != "recompute":
                 assert not stage.kept and not stage.recomputed
                 continue
-            assert any(graph[v].saved for v in stage.vertices)  # else it runs as kept
-            assert set(stage.kept) | set(stage.recomputed) == set(stage.vertices)
+            saves = any(graph[v].saved or (graph.meta.saved_refs or {}).get(v) for v in stage.vertices)
+            assert stage.runs_again == saves
+            assert set(stage.kept) | set(stage.recomputed) == (set(stage.vertices) if saves else set(stage.kept))
             for v in stage.kept:
                 assert v not in random_ops
                 assert v not in inplace or v in stage.rewritten

@@ -21,10 +21,10 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
 - **offloaded**: an offloaded stage's saved state leaves the device when its forward ends
   and comes back when its backward starts.
 - A recomputed stage none of whose ops saves anything for the backward (adds,
-  concatenations, views, scalings, as the profile measured them) runs as kept: torch's
-  non-reentrant checkpoint recomputes a stage when the backward first unpacks what it
-  saved, so such a stage never runs again, and without saved state, kept and recomputed
-  hold the same memory.
+  concatenations, views, scalings, as the profile measured them) runs nothing again:
+  torch's non-reentrant checkpoint recomputes a stage when the backward first unpacks what
+  it saved. It still keeps its boundary and its inputs until its backward, as the model of
+  a recomputed stage says (Kusumoto et al.'s DP folds its stage costs on that).
 
 Op kinds (random, in place) come from ``graph.ops``. Checkmate (Jain et al., "Checkmate:
 Breaking the Memory Wall with Optimal Tensor Rematerialization", 2020) compiles its
@@ -107,6 +107,9 @@ class StageSchedule:
     """For a recomputed stage: the vertices run again in the backward, in forward order."""
     rewritten: frozenset[str] = frozenset()
     """The stage's in-place ops that run out of place."""
+    runs_again: bool = False
+    """For a recomputed stage: whether its backward runs it again at all (no: none of its
+    ops saves anything, so the backward never asks checkpoint for what it saved)."""
 
     @property
     def offloaded(self) -> bool:
@@ -162,7 +165,7 @@ class Schedule:
         yield Step("loss", len(self.stages) - 1)
         for k in range(len(self.stages) - 1, -1, -1):
             stage = self.stages[k]
-            if stage.action == "recompute":
+            if stage.action == "recompute" and stage.runs_again:
                 for v in stage.vertices:
                     yield Step("hand_on" if v in stage.kept else "recompute", k, v)
             elif stage.offloaded:
@@ -182,11 +185,10 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
         raise ValueError(f"the plan names vertices the graph does not have: {unknown[:8]}; "
                          "plan and graph must come from the same trace")
     ordered = [tuple(sorted(s.nodes, key=position.__getitem__)) for s in plan.stages]
-    actions = [("keep" if s.action == "recompute" and not any(v in parts.saving for v in vs)
-                else s.action) for s, vs in zip(plan.stages, ordered)]
+    actions = [s.action for s in plan.stages]
     if whole_stages:
         return Schedule(tuple(
-            StageSchedule(a, vs, recomputed=vs if a == "recompute" else ())
+            StageSchedule(a, vs, recomputed=vs if a == "recompute" else (), runs_again=a == "recompute")
             for a, vs in zip(actions, ordered)), whole_stages=True)
     stage_of = {v: k for k, vs in enumerate(ordered) for v in vs}
     rewritten = _rewritten(parts, stage_of, actions)
@@ -202,9 +204,11 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             and v not in parts.random
             and (v in rewritten or v not in parts.inplace)
         )
+        runs_again = any(v in parts.saving for v in vertices)
         stages.append(StageSchedule(
-            "recompute", vertices, kept, tuple(v for v in vertices if v not in kept),
-            frozenset(v for v in vertices if v in rewritten)))
+            "recompute", vertices, kept,
+            tuple(v for v in vertices if v not in kept) if runs_again else (),
+            frozenset(v for v in vertices if v in rewritten), runs_again))
     return Schedule(tuple(stages))
 
 

@@ -321,7 +321,12 @@ class StepSimulation:
             self._loss()
         for k in range(last, -1, -1):
             if self.actions[k] == "recompute":
-                self._recompute_stage(k)
+                if self.schedule.stages[k].runs_again:
+                    self._recompute_stage(k)
+                else:  # nothing of it runs again: its kept values go to their readers' backward
+                    for v in self.stages[k]:
+                        if v in self.kept_held:
+                            self.mem.release(self.kept_held.pop(v))
             elif self.actions[k] == "offload":
                 self._restore_stage(k)
             self._backward_stage(k)
