@@ -265,7 +265,7 @@ def _cmd_min_budget(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     """Each plan's peak and extra time as the package defines them: the plan's stages scored
-    again by :func:`~lightning_remat.solvers.simulate.make_plan` (the simulator's peak and
+    again by :func:`~lightning_remat.solvers.scoring.make_plan` (the simulator's peak and
     the recomputation time every solver's plan is given), whatever the file states."""
     import json
 
