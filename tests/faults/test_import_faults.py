@@ -31,24 +31,28 @@ def _python(code: str, cwd: Path) -> dict:
 LOADED = f"print(__import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
 
 
-@pytest.mark.parametrize("argv", [
+CLI_CALLS = [
     ["--help"], ["solve", "--help"],
     ["solve", "--graph", "g.json", "--budget", "60%"],
     ["solve", "--graph", "g.json", "--budget", "60%", "--solver", "kusumoto-tc", "--json"],
     ["min-budget", "--graph", "g.json", "--solver", "feng"],
     ["simulate", "--graph", "g.json", "--plans", "p.json"],
     ["simulate", "--graph", "g.json", "--plans", "p.json", "--json"],
-])
-def test_the_cli_loads_neither_optuna_nor_tensorboard_for_help_and_solving(tmp_path, argv):
+]
+
+
+def test_the_cli_loads_neither_optuna_nor_tensorboard_for_help_and_solving(tmp_path):
+    """Every call in one fresh interpreter (each would import torch and Lightning again)."""
     from lightning_remat.solvers import get_solver
 
     Graph.chain([100] * 8).save(tmp_path / "g.json")
     (tmp_path / "p.json").write_text(get_solver("chen")(Graph.chain([100] * 8), None).to_json(indent=1))
     code = ("import sys, contextlib, io\n"
             "from lightning_remat.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            f"    try: main({argv!r})\n"
-            "    except SystemExit as exc: assert exc.code == 0, exc.code\n"
+            f"for argv in {CLI_CALLS!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try: main(argv)\n"
+            "        except SystemExit as exc: assert exc.code == 0, (argv, exc.code)\n"
             + LOADED)
     assert _python(code, tmp_path) == []
 
@@ -62,7 +66,7 @@ def test_the_package_and_the_solvers_import_without_the_searchs_libraries(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first, second", [
-    ("lightning_remat", "pytorch_lightning"), ("pytorch_lightning", "lightning_remat"),
+    # lightning_remat and pytorch_lightning in either order: tests/test_strategy.py
     ("lightning_remat.lightning.memory_timeline", "lightning_remat"),  # imports Lightning itself
 ])
 def test_the_strategy_is_registered_whichever_is_imported_first(tmp_path, first, second):
