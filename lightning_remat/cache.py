@@ -9,7 +9,9 @@ One SQLite file holds a row per basis (its digest) with the profiled graph and t
 JSON. A file that SQLite cannot read (not a database, a damaged page, a ``plans`` table of
 another schema) is moved aside with one warning; the rows that can still be read are copied
 into a fresh file, so the plans of other keys survive. An entry whose plan does not fit its
-graph is dropped with a warning and never trusted.
+graph is dropped with a warning and never trusted. A cache that cannot be written or opened at
+all (a read-only file or folder, a folder path under a file, a full disk) is not moved: one
+warning says so and the run goes on without it, its plans made in memory and not stored.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lightning_remat.solvers.plan import Plan
 
 __all__ = [
     "CACHE_FOLDER", "CacheEntry", "PlanBasis", "PlanCache", "StoredPlan", "default_cache_dir",
-    "describe_change", "move_aside", "sqlite_problem",
+    "describe_change", "is_access_problem", "move_aside", "sqlite_problem",
 ]
 
 SCHEMA_VERSION = 3
@@ -187,21 +189,52 @@ def _is_busy(exc: sqlite3.DatabaseError) -> bool:
     return "locked" in text or "busy" in text
 
 
+_ACCESS_PROBLEMS = ("readonly", "read-only", "unable to open", "disk i/o error", "disk is full",
+                    "permission denied", "not a directory", "file exists")
+
+
+def is_access_problem(reason: str) -> bool:
+    """Whether SQLite's or the OS's ``reason`` is about reaching or writing the file rather
+    than its content: moving such a file aside would not help (and may not be possible)."""
+    text = reason.lower()
+    return any(words in text for words in _ACCESS_PROBLEMS)
+
+
 class _Unreadable(Exception):
     """The file's content cannot be read back (SQLite or JSON)."""
 
 
 class PlanCache:
-    """A SQLite table of plans. Safe to share between runs; writes are atomic."""
+    """A SQLite table of plans. Safe to share between runs; writes are atomic.
+
+    A cache that cannot be used (:func:`is_access_problem`) warns once and then holds nothing:
+    :meth:`get` finds no plan and :meth:`put` stores none, so planning goes on in memory.
+    ``unusable`` says why (None while the cache works)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        problem = sqlite_problem(self.path) or self._schema_problem()
-        if problem is not None:
+        self.unusable: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            problem = sqlite_problem(self.path) or self._schema_problem()
+        except (OSError, sqlite3.Error) as exc:
+            self._give_up(str(exc))
+            return
+        if problem is not None and is_access_problem(problem):
+            self._give_up(problem)
+        elif problem is not None:
             self._recover(problem)
         else:
             self._guarded(lambda db: db.execute(_CREATE), None)
+
+    def _give_up(self, reason: str) -> None:
+        """Stop using the cache for this run, with one warning."""
+        if self.unusable is not None:
+            return
+        self.unusable = reason
+        warn_caller(f"lightning-remat: plan cache {self.path} cannot be used ({reason}); training "
+                    "goes on without it: plans are made in memory and not stored. Pass a writable "
+                    "cache_dir to keep them")
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path, timeout=30)
@@ -220,7 +253,10 @@ class PlanCache:
 
     def _guarded(self, operation: Callable[[sqlite3.Connection], _T], default: _T) -> _T:
         """``operation`` in one transaction; a file SQLite cannot read is moved aside (and
-        ``default`` returned), a lock held too long only skips the cache this time."""
+        ``default`` returned), a lock held too long only skips the cache this time, a file that
+        cannot be opened or written stops the cache for the run (:meth:`_give_up`)."""
+        if self.unusable is not None:
+            return default
         try:
             with closing(self._connect()) as db, db:
                 return operation(db)
@@ -228,17 +264,26 @@ class PlanCache:
             if _is_busy(exc):
                 warn_caller(f"lightning-remat: plan cache {self.path} is busy ({exc}); not "
                             "using it for this plan")
+            elif is_access_problem(str(exc)):
+                self._give_up(str(exc))
             else:
                 self._recover(str(exc))
             return default
+        except OSError as exc:
+            self._give_up(str(exc))
+            return default
 
     def _recover(self, reason: str) -> None:
-        """Move the file aside and start a new one holding every row still readable."""
-        aside = move_aside(self.path, reason, "plan cache")
-        rows = _readable_rows(aside)
-        with closing(self._connect()) as db, db:
-            db.execute(_CREATE)
-            db.executemany("INSERT OR REPLACE INTO plans VALUES (?, ?, ?, ?, ?)", rows)
+        """Move the file aside and start a new one holding every row still readable; when
+        either cannot be done, go on without the cache."""
+        try:
+            aside = move_aside(self.path, reason, "plan cache")
+            rows = _readable_rows(aside)
+            with closing(self._connect()) as db, db:
+                db.execute(_CREATE)
+                db.executemany("INSERT OR REPLACE INTO plans VALUES (?, ?, ?, ?, ?)", rows)
+        except (OSError, sqlite3.Error) as exc:
+            self._give_up(f"{reason}; then {exc}")
 
     def get(self, key: PlanBasis) -> CacheEntry | None:
         """The entry for ``key``, or None when absent, unreadable or inconsistent."""

@@ -44,7 +44,7 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 from torch import nn
 
-from lightning_remat.cache import default_cache_dir, move_aside, sqlite_problem
+from lightning_remat.cache import default_cache_dir, is_access_problem, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
 from lightning_remat.errors import RematInfeasibleError, warn_caller
 from lightning_remat.messages import Ranks
@@ -705,8 +705,10 @@ class _StaleTrials:
 def _load_study(storage: str | optuna.storages.BaseStorage | None, study_name: str,
                 sampler: BaseSampler, stale: _StaleTrials) -> Study:
     """Create or load the study; an SQLite file that cannot be read is moved aside with one
-    warning and the search starts over in a new one."""
-    def load() -> Study:
+    warning and the search starts over in a new one. One that cannot be opened or written (a
+    read-only file or folder, a folder path under a file) warns once and the search runs in
+    memory, its trials not stored."""
+    def load(storage: str | optuna.storages.BaseStorage | None = storage) -> Study:
         storage_object = storage
         if isinstance(storage, str):
             with warnings.catch_warnings():
@@ -726,11 +728,20 @@ def _load_study(storage: str | optuna.storages.BaseStorage | None, study_name: s
         except Exception as exc:  # SQLAlchemy's and Optuna's errors for a foreign schema
             import sqlalchemy.exc
 
-            if not isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, RuntimeError)) or not path.exists():
+            if not isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, RuntimeError)):
                 raise
             problem = str(exc).splitlines()[0]
-    move_aside(path, problem, "batch-size study storage")
-    return load()
+            if not path.exists() and not is_access_problem(problem):
+                raise
+    if not is_access_problem(problem):
+        try:
+            move_aside(path, problem, "batch-size study storage")
+            return load()
+        except OSError as exc:
+            problem = f"{problem}; then {exc}"
+    warn_caller(f"lightning-remat: batch-size study storage {path} cannot be used ({problem}); the "
+                "search goes on without it: its trials are kept in memory and not stored")
+    return load(None)
 
 
 def pareto_front(study: Study, records: Sequence[TrialRecord]) -> list[TrialRecord]:
@@ -770,7 +781,10 @@ def _progress(enabled: bool, label: str) -> Any:
 def default_storage(root_dir: str | Path) -> str:
     """``sqlite:///<root_dir>/lightning_remat_cache/batch_size.db`` (the folder is created)."""
     folder = default_cache_dir(Path(root_dir).resolve())
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # the search warns that it cannot use the file, and runs in memory
     return f"sqlite:///{folder / 'batch_size.db'}"
 
 

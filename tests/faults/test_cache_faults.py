@@ -151,3 +151,78 @@ def test_an_unreadable_study_file_is_moved_aside_and_the_search_runs(tmp_path):
     messages = _our_warnings(record)
     assert len(messages) == 1 and "moved it to" in messages[0], messages
     assert result.largest_feasible == 12 and (tmp_path / "batch_size.db.corrupt").exists()
+
+
+def _without_cache(messages: list[str]) -> bool:
+    return len(messages) == 1 and "without" in messages[0]
+
+
+def test_a_cache_folder_under_a_file_warns_once_and_plans_in_memory(tmp_path):
+    # Root may write to any directory; a path under a file fails for everyone.
+    (tmp_path / "blocker").write_text("not a folder")
+    path = tmp_path / "blocker" / "cache" / "plans.sqlite"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        planner, grads = _plan_and_train(path)
+        basis, graph, plan = _entries(1)[0]
+        cache = planner.cache
+        cache.put(basis, graph, plan)
+        assert cache.get(basis) is None and len(cache) == 0 and cache.bases() == []
+    messages = _our_warnings(record)
+    assert _without_cache(messages) and str(path.parent) in messages[0], messages
+    for a, b in zip(grads, _plain_grads()):
+        assert torch.equal(a, b)
+
+
+def test_a_read_only_cache_is_neither_moved_nor_stops_training(tmp_path, monkeypatch):
+    path = tmp_path / "plans.sqlite"
+    cache = PlanCache(path)
+    for basis, graph, plan in _entries(2):
+        cache.put(basis, graph, plan)
+    before = path.read_bytes()
+
+    def read_only(*args, **kwargs):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    # chmod does not stop root, so the read-only file is simulated at SQLite's door.
+    monkeypatch.setattr("lightning_remat.cache.sqlite3.connect", read_only)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, grads = _plan_and_train(path)
+    messages = _our_warnings(record)
+    assert _without_cache(messages) and "readonly" in messages[0], messages
+    monkeypatch.undo()
+    assert path.read_bytes() == before and not (tmp_path / "plans.sqlite.corrupt").exists()
+    for a, b in zip(grads, _plain_grads()):
+        assert torch.equal(a, b)
+
+
+def test_a_root_dir_whose_cache_folder_is_a_file_still_fits(tmp_path):
+    import pytorch_lightning as pl
+
+    import lightning_remat  # noqa: F401  (registers the strategy)
+    from tests.lit_models import ConvNet, loaders, trainer_kwargs
+
+    (tmp_path / "lightning_remat_cache").write_text("not a folder")
+    pl.seed_everything(0)
+    model = ConvNet()
+    trainer = pl.Trainer(strategy="remat", **trainer_kwargs(tmp_path, max_epochs=1))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model, *loaders())
+    messages = _our_warnings(record)
+    assert _without_cache(messages) and "lightning_remat_cache" in messages[0], messages
+    assert trainer.state.finished and trainer.global_step > 0
+    assert trainer.strategy.planner.last is not None  # planned, in memory
+
+
+def test_a_study_file_that_cannot_be_created_warns_once_and_the_search_runs(tmp_path):
+    from lightning_remat.tuning import default_storage
+
+    (tmp_path / "lightning_remat_cache").write_text("not a folder")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = run_search(_trial, storage=default_storage(tmp_path), study_name="s")
+    messages = _our_warnings(record)
+    assert _without_cache(messages) and "lightning_remat_cache" in messages[0], messages
+    assert result.largest_feasible == 12
