@@ -29,6 +29,7 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import sys
@@ -247,7 +248,25 @@ class Planner:
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
     shape family's, which fx code being shape-generic serves every batch size).
+
+    Pickled (``torch.save`` of the module :func:`remat` returns), the planner leaves out
+    ``loss_fn`` and ``progress``: they are often lambdas, which pickle cannot save, and only
+    planning a new input key uses them. The loaded module runs its plans as before; a new
+    input key is planned with the default loss, with one warning.
     """
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
+        state["loss_fn"] = state["progress"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
+        # A copy in memory (an EMA of the model, say) keeps the loss_fn: only pickling drops it.
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def __init__(
         self,
@@ -283,6 +302,8 @@ class Planner:
         self.busy = False
         """True while planning: a forward the strategy wraps must then run plainly."""
         self._plan_started: float | None = None
+        self._loss_fn_left_out = False
+        """Unpickled without the ``loss_fn`` it was given (see :meth:`__getstate__`)."""
         check_solver_for_device(self.settings.solver, module_device(module))
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
@@ -328,6 +349,14 @@ class Planner:
                 f"({'; '.join(changes.values())}); re-planning for them (each new input is "
                 "planned once and cached)"
             )
+        if self._loss_fn_left_out:
+            self._loss_fn_left_out = False  # one warning
+            warn_caller(
+                "lightning_remat: this module was loaded from a pickle, which does not keep the "
+                "loss_fn it was planned with; planning its new inputs with the default loss (the "
+                "sum of the outputs), whose memory may differ from your loss's. To count your "
+                "loss, save the original module (or its state_dict) and call remat(..., "
+                "loss_fn=...) after loading")
         self.busy = True
         try:
             with sharded_gradients_kept(self.module):
@@ -570,7 +599,9 @@ def remat(
     solve) and a last one with the time planning took, in seconds and in plain steps.
     ``loss_fn(outputs) -> scalar``: the loss your training step takes of the module's
     outputs; the plan counts the memory it takes (a cross-entropy over a large vocabulary
-    holds several times the logits). Default: the sum of the floating outputs.
+    holds several times the logits). Default: the sum of the floating outputs. The result
+    pickles (``torch.save``) without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs
+    its plans as before and plans a new input shape with the default loss, with one warning.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a

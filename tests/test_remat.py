@@ -594,3 +594,63 @@ def test_the_smallest_feasible_budget_is_always_accepted() -> None:
                 remat(model, x, 1024)
             remat_model = remat(model, x, refused.value.min_budget_bytes)
             assert remat_model.plan.feasible
+
+
+def _chain(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(32, 32), nn.Tanh())])
+
+
+def test_a_module_planned_with_a_lambda_loss_saves_loads_and_trains_alike(tmp_path) -> None:
+    import io
+
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    model = remat(_chain(), x, "80%", loss_fn=lambda out: out.sum())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.plan == model.plan
+
+    grads = []
+    for module in (model, loaded):
+        module.zero_grad(set_to_none=True)
+        module(x).square().mean().backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_a_loaded_module_plans_a_new_shape_with_the_default_loss_and_says_so() -> None:
+    import io
+
+    x = torch.randn(256, 32)
+    model = remat(_chain(), x, "80%", loss_fn=lambda out: out.sum())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loaded(torch.randn(64, 32)).sum().backward()
+            loaded(torch.randn(32, 32)).sum().backward()
+    about_loss = [str(w.message) for w in record if "loss_fn" in str(w.message)]
+    assert len(about_loss) == 1 and "default" in about_loss[0], about_loss
+    assert len(loaded.variants) == 3
+
+
+def test_a_deep_copy_keeps_the_loss_fn() -> None:
+    seen = []
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        seen.append(out.shape[0])
+        return out.sum()
+
+    model = remat(_chain(), torch.randn(256, 32), "80%", loss_fn=loss)
+    copied = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        copied(torch.randn(64, 32)).sum().backward()
+    assert 64 in seen and not [w for w in record if "loss_fn" in str(w.message)]
