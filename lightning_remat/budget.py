@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import NoReturn
 
 __all__ = ["ACCEPTED_FORMS", "format_bytes", "parse_budget", "validate_budget"]
 
@@ -13,15 +14,16 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 ACCEPTED_FORMS = (
-    "an int number of bytes (4294967296), a size string ('4GiB', '512MB', '1.5 GiB'), "
-    "or a fraction of the plain step's peak ('60%', 0.6 as a float)"
+    "an int number of bytes (4294967296 or '4294967296'), a size string ('4GiB', '512MB', "
+    "'1.5 GiB'), or a fraction of the plain step's peak ('60%', or in (0, 1]: 0.6 or '0.6')"
 )
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*|%)\s*$")
 
 
 def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None = None) -> int | None:
-    """Bytes a budget stands for. ``None`` stays ``None`` (no limit). Percentages and
-    floats in (0, 1] are fractions of ``plain_peak_bytes``, which must then be given."""
+    """Bytes a budget stands for. ``None`` stays ``None`` (no limit). Percentages, and
+    floats in (0, 1] or the strings that spell them (``"0.5"``), are fractions of
+    ``plain_peak_bytes``, which must then be given; a bare whole number is bytes."""
     if budget is None:
         return None
     if isinstance(budget, bool):
@@ -31,10 +33,7 @@ def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None 
         nbytes = budget
     elif isinstance(budget, float):
         if not 0 < budget <= 1:
-            raise ValueError(
-                f"memory_budget={budget!r}: a float is a fraction of the plain peak in (0, 1]; "
-                f"accepted: {ACCEPTED_FORMS}"
-            )
+            _refuse_fraction(budget)
         fraction = budget
         nbytes = 0
     elif isinstance(budget, str):
@@ -42,9 +41,16 @@ def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None 
         if not match:
             raise ValueError(f"memory_budget={budget!r} is not understood; accepted: {ACCEPTED_FORMS}")
         number, unit = float(match.group(1)), match.group(2)
-        if unit == "%":
+        if not unit and "." in match.group(1):
+            # A bare decimal means what the float it spells does: a fraction.
+            if not 0 < number <= 1:
+                _refuse_fraction(budget)
+            fraction = number
+            nbytes = 0
+        elif unit == "%":
             if not 0 < number <= 100:
-                raise ValueError(f"memory_budget={budget!r}: a percentage must be in (0, 100]")
+                raise ValueError(f"memory_budget={budget!r}: a percentage must be in (0, 100]; "
+                                 f"accepted: {ACCEPTED_FORMS}")
             fraction = number / 100
             nbytes = 0
         else:
@@ -66,6 +72,13 @@ def parse_budget(budget: int | float | str | None, plain_peak_bytes: int | None 
     if nbytes <= 0:
         raise ValueError(f"memory_budget={budget!r} must be positive; accepted: {ACCEPTED_FORMS}")
     return nbytes
+
+
+def _refuse_fraction(budget: float | str) -> NoReturn:
+    raise ValueError(
+        f"memory_budget={budget!r}: a bare decimal is a fraction of the plain peak in (0, 1]; "
+        f"accepted: {ACCEPTED_FORMS}"
+    )
 
 
 def validate_budget(budget: int | float | str | None) -> None:

@@ -54,22 +54,14 @@ def input_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def budget_arg(text: str) -> int | float | str:
-    """A budget as the library takes it: ``"4096"`` bytes, ``"0.5"`` a fraction, ``"4GiB"``,
-    ``"60%"``."""
-    value: int | float | str = text
+def budget_arg(text: str) -> str:
+    """A budget string, kept as the library reads it (:func:`~lightning_remat.budget.parse_budget`):
+    ``"4096"`` bytes, ``"0.5"`` a fraction, ``"4GiB"``, ``"60%"``."""
     try:
-        value = int(text)
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            value = text
-    try:
-        validate_budget(value)
+        validate_budget(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a budget; accepted: {ACCEPTED_FORMS}") from None
-    return value
+    return text
 
 
 def graph_file(text: str) -> Path:
@@ -169,6 +161,9 @@ def load_graph(path: str | Path) -> Any:
 
     try:
         graph = Graph.load(path)
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise UsageError(f"--graph {path} is nested too deep to be a graph; give a file as "
+                         "'lightning-remat profile' writes (docs/design.md section 3)") from None
     except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as exc:
         raise UsageError(f"--graph {path} is not a graph JSON ({_one_line(exc)}); give a file "
                          "as 'lightning-remat profile' writes (docs/design.md section 3)") from None

@@ -9,16 +9,25 @@ from lightning_remat.solvers.scoring import make_plan, plain_plan
 @pytest.mark.parametrize(
     "text, expected",
     [(4096, 4096), ("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1.5 GiB", int(1.5 * 2**30)),
-     ("60%", 600), (0.25, 250), ("100%", 1000), ("2k", 2048)],
+     ("60%", 600), (0.25, 250), ("100%", 1000), ("2k", 2048),
+     ("0.25", 250), (" 0.6 ", 600), ("1.0", 1000), ("4096", 4096)],
 )
 def test_budget_forms(text, expected):
     assert parse_budget(text, plain_peak_bytes=1000) == expected
 
 
-@pytest.mark.parametrize("bad", ["lots", "4 parsecs", "-3GiB", "0%", "150%", 0, -5, 1.5, True, [1]])
+@pytest.mark.parametrize("bad", ["lots", "4 parsecs", "-3GiB", "0%", "150%", 0, -5, 1.5, True, [1],
+                                 "1.5", "0.0", "0"])
 def test_bad_budgets_name_the_accepted_forms(bad):
     with pytest.raises(ValueError, match="memory_budget"):
         parse_budget(bad, plain_peak_bytes=1000)
+
+
+def test_a_bad_budget_string_lists_every_accepted_form():
+    for bad in ("lots", "150%", "1.5", "4 parsecs"):
+        with pytest.raises(ValueError) as info:
+            parse_budget(bad, plain_peak_bytes=1000)
+        assert all(form in str(info.value) for form in ("4294967296", "'4GiB'", "'60%'", "'0.6'"))
 
 
 def test_relative_budget_needs_the_plain_peak():
@@ -44,6 +53,21 @@ def test_plan_json_has_exactly_the_keys():
     assert Plan.from_dict(data).margin_bytes == 0
     assert plan.stored == ["v1", "v2", "v3"]
     assert plan.predicted_extra_seconds == 1.0  # v0 runs again; v1, the boundary, is kept
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [("stages", [{"nodes": [["v0"]], "action": "keep"}], "stage 0 nodes must be a list of vertex ids"),
+     ("stages", [{"nodes": "v0", "action": "keep"}], "stage 0 nodes must be a list of vertex ids"),
+     ("stored", [1], "stored must be a list of vertex ids"),
+     ("predicted_extra_seconds", float("nan"), "predicted_extra_seconds=nan is not a finite number"),
+     ("predicted_extra_seconds", float("inf"), "predicted_extra_seconds=inf is not a finite number")],
+)
+def test_a_malformed_plan_raises_value_error_naming_the_key(key, value, words):
+    data = plain_plan(Graph.chain([10, 10])).to_dict()
+    data[key] = value
+    with pytest.raises(ValueError, match=words):
+        Plan.from_dict(data)
 
 
 def test_plan_validation_catches_bad_stages():

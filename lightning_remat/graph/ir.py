@@ -13,7 +13,9 @@ JSON form (other tools depend on it; nothing else is written)::
      "meta": {"batch_size": 32, "device": "cuda:0", "dtype": "float32"}}
 
 ``meta`` is a :class:`GraphMeta`: named fields, each absent (None, and left out of the JSON)
-unless a writer set it; other keys are kept as they are in ``GraphMeta.extra``. The tracer
+unless a writer set it; other keys are kept as they are in ``GraphMeta.extra``. Counts
+(bytes, sizes) are whole and not negative, times and rates finite and not negative, as are
+the vertices' costs. The tracer
 (``graph/trace.py``) writes the structure:
 
 - ``input_consumers``: ids of the vertices that read the step's inputs;
@@ -56,7 +58,8 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 - ``aliases``: ``{id: base_id}`` the earlier vertex whose storage this output shares (views
   and in-place ops). Present (even empty), the simulator takes the map as complete; absent,
   it guesses views from the op names on a graph with ``saved_refs`` and assumes none on a
-  hand-built graph without;
+  hand-built graph without. Every chain of aliases ends at a vertex that owns its storage
+  (a cycle is refused);
 - ``requires_grad``: ``{id: bool}`` whether autograd records the vertex's output;
 - ``resident_views``: ids whose output is a view of an input, parameter or buffer (no new
   memory);
@@ -122,8 +125,11 @@ def _check_node(raw: Any, position: int) -> Node:
     values: dict[str, Any] = {"id": raw["id"], "op": str(raw["op"])}
     for key in _BYTE_KEYS + _TIME_KEYS:
         value = raw.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"node {raw['id']!r}: {key}={value!r} is not a number")
+        if not math.isfinite(value):
+            raise ValueError(f"node {raw['id']!r}: {key}={value!r} is not a finite number; costs "
+                             "are bytes and seconds, never NaN or infinity")
         if value < 0:
             raise ValueError(f"node {raw['id']!r}: negative cost {key}={value}")
         if key in _BYTE_KEYS:
@@ -138,15 +144,25 @@ def _check_node(raw: Any, position: int) -> Node:
 
 # ---- graph metadata -------------------------------------------------------------------------
 def _whole(label: str, value: Any) -> int:
+    """A count (bytes, a batch size): whole and not negative (``is_integer`` is False for
+    NaN and infinity)."""
     whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not whole:
         raise ValueError(f"meta {label} must be a whole number, got {value!r:.80}")
+    if value < 0:
+        raise ValueError(f"meta {label} must not be negative, got {value!r:.80}; it counts bytes "
+                         "or items")
     return int(value)
 
 
 def _number(label: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    """A measured rate or time: finite and not negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"meta {label} must be a number, got {value!r:.80}")
+    if not math.isfinite(value):
+        raise ValueError(f"meta {label} must be a finite number, got {value!r:.80}")
+    if value < 0:
+        raise ValueError(f"meta {label} must not be negative, got {value!r:.80}")
     return float(value)
 
 
@@ -187,6 +203,25 @@ def _per_node(check: Callable[[str, Any], Any]) -> Callable[[str, Any], dict[str
         return {k: check(f"{label} entry {k!r}", v) for k, v in value.items()}
 
     return checked
+
+
+def _alias_map(label: str, value: Any) -> dict[str, str]:
+    """``{id: base_id}`` whose chains end: each storage has an owner, so following aliases
+    from any vertex reaches one that aliases nothing (a cycle has no owner to charge)."""
+    aliases = _per_node(_text)(label, value)
+    done: set[str] = set()
+    for start in aliases:
+        path: dict[str, int] = {}  # vertex -> its place on this chain
+        vertex = start
+        while vertex in aliases and vertex not in done:
+            if vertex in path:
+                cycle = list(path)[path[vertex]:] + [vertex]
+                raise ValueError(f"meta {label} form a cycle {' -> '.join(map(repr, cycle[:9]))}; "
+                                 "each chain of aliases must end at a vertex that owns its storage")
+            path[vertex] = len(path)
+            vertex = aliases[vertex]
+        done.update(path)
+    return aliases
 
 
 # A GraphMeta field's annotation (a string, with postponed annotations) picks its check; a
@@ -315,6 +350,7 @@ _META_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     f.name: _CHECK_BY_TYPE[str(f.type)] for f in fields(GraphMeta) if f.name != "extra"
 }
 """Field name -> its check, in field order (a field with an unlisted type fails here)."""
+_META_CHECKS["aliases"] = _alias_map  # the type's check, and chains that end
 
 
 @dataclass

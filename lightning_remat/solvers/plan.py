@@ -22,6 +22,7 @@ fits a budget when ``predicted_peak_bytes + margin_bytes`` is within it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,13 @@ ACTIONS = ("keep", "recompute", "offload")
 PLAN_KEYS = ("stages", "stored", "predicted_peak_bytes", "predicted_extra_seconds", "solver", "feasible")
 OPTIONAL_PLAN_KEYS = ("margin_bytes",)
 """Keys a plan may lack (plans written before they existed): ``margin_bytes`` reads as 0."""
+
+
+def _vertex_ids(label: str, value: Any) -> list[str]:
+    """A JSON list of vertex ids (strings), as a plan names vertices."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{label} must be a list of vertex ids (strings), got {value!r:.80}")
+    return list(value)
 
 
 @dataclass
@@ -102,12 +110,18 @@ class Plan:
         if missing or unknown:
             raise ValueError(f"plan keys: missing {missing}, unknown {unknown}; expected "
                              f"{list(PLAN_KEYS)} and optionally {list(OPTIONAL_PLAN_KEYS)}")
-        stages = [Stage(list(s["nodes"]), s["action"]) for s in data["stages"]]
+        if not isinstance(data["stages"], list):
+            raise ValueError("stages must be a list of {'nodes': [...], 'action': ...} objects")
+        stages = [Stage(_vertex_ids(f"stage {k} nodes", s["nodes"]), s["action"])
+                  for k, s in enumerate(data["stages"])]
+        extra_seconds = float(data["predicted_extra_seconds"])
+        if not math.isfinite(extra_seconds):
+            raise ValueError(f"predicted_extra_seconds={extra_seconds!r} is not a finite number")
         return cls(
             stages=stages,
-            stored=list(data["stored"]),
+            stored=_vertex_ids("stored", data["stored"]),
             predicted_peak_bytes=int(data["predicted_peak_bytes"]),
-            predicted_extra_seconds=float(data["predicted_extra_seconds"]),
+            predicted_extra_seconds=extra_seconds,
             solver=str(data["solver"]),
             feasible=bool(data["feasible"]),
             margin_bytes=int(data.get("margin_bytes", 0)),

@@ -3,6 +3,7 @@ accepted, with exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -29,6 +30,19 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "huge.json").write_text('{"nodes": [{"id": "a", "op": "x", "mem": 1e400}], "edges": []}')
     (tmp_path / "empty.json").write_text('{"nodes": []}')
     (tmp_path / "garbage.json").write_bytes(b"\xff\xfe not json")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    chain = Graph.chain([100] * 3).to_dict()
+    for name, where, key, value in [
+        ("alias_cycle.json", "meta", "aliases", {"v1": "v2", "v2": "v1"}),
+        ("negative_input.json", "meta", "input_bytes", -64),
+        ("negative_grad.json", "meta", "param_grad_bytes", {"v0": -8}),
+        ("infinite_step.json", "meta", "step_seconds", float("inf")),
+        ("infinite_time.json", "node", "t_fwd", float("inf")),
+        ("nan_time.json", "node", "t_bwd", float("nan")),
+    ]:
+        data = json.loads(json.dumps(chain))
+        (data["meta"] if where == "meta" else data["nodes"][1])[key] = value
+        (tmp_path / name).write_text(json.dumps(data))  # json writes Infinity and NaN
     Graph.chain([100] * 5).save(tmp_path / "g.json")
     plan = plain_plan(Graph.chain([100] * 5)).to_json()
     (tmp_path / "plan_of_8.json").write_text(plain_plan(Graph.chain([100] * 8)).to_json(indent=1))
@@ -36,6 +50,10 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "plans.jsonl").write_text(f"{plan}\n{plan[:40]}\n")
     (tmp_path / "no_plans.jsonl").write_text("\n\n")
     (tmp_path / "bad_action.json").write_text(plan.replace('"keep"', '"discard"'))
+    (tmp_path / "nested_ids.json").write_text(plan.replace('["v0", "v1", "v2", "v3", "v4"]',
+                                                           '[["v0"], "v1", "v2", "v3", "v4"]', 1))
+    (tmp_path / "nan_extra.json").write_text(
+        json.dumps({**json.loads(plan), "predicted_extra_seconds": float("nan")}))
     (tmp_path / "cli_factories.py").write_text(
         "import torch\n"
         "def number():\n    return 3\n"
@@ -51,8 +69,19 @@ CASES = [
     (["solve", "--graph", "huge.json", "--budget", "50%"], ["huge.json is not a graph JSON", "infinity"]),
     (["solve", "--graph", "garbage.json", "--budget", "50%"], ["garbage.json is not a graph JSON"]),
     (["solve", "--graph", "empty.json", "--budget", "50%"], ["empty.json has no vertices"]),
+    (["min-budget", "--graph", "alias_cycle.json"], ["alias_cycle.json is not a graph JSON",
+                                                     "'aliases'", "cycle"]),
+    (["solve", "--graph", "alias_cycle.json", "--budget", "50%"], ["'aliases'", "cycle"]),
+    (["min-budget", "--graph", "deep.json"], ["deep.json is nested too deep to be a graph"]),
+    (["simulate", "--graph", "deep.json", "--plans", "plans.jsonl"], ["deep.json is nested too deep"]),
+    (["min-budget", "--graph", "negative_input.json"], ["'input_bytes'", "-64", "must not be negative"]),
+    (["min-budget", "--graph", "negative_grad.json"], ["'param_grad_bytes' entry 'v0'", "must not be negative"]),
+    (["min-budget", "--graph", "infinite_step.json"], ["'step_seconds'", "finite"]),
+    (["min-budget", "--graph", "infinite_time.json"], ["node 'v1'", "t_fwd=inf", "finite"]),
+    (["min-budget", "--graph", "nan_time.json"], ["node 'v1'", "t_bwd=nan", "finite"]),
     (["solve", "--graph", "g.json", "--budget", "lots"], ["'lots' is not a budget", "accepted:"]),
     (["solve", "--graph", "g.json", "--budget", "0"], ["'0' is not a budget", "accepted:"]),
+    (["solve", "--graph", "g.json", "--budget", "1.5"], ["'1.5' is not a budget", "'60%'", "'0.6'"]),
     (["solve", "--graph", "g.json", "--solver", "fastest", "--budget", "1"], ["'fastest'", "choose from"]),
     (["profile", "cli_factories:number"], ["cli_factories:number() returned int, not a torch.nn.Module"]),
     (["profile", "cli_factories:needs_args"], ["cli_factories:needs_args() raised TypeError",
@@ -73,6 +102,10 @@ CASES = [
     (["simulate", "--graph", "g.json", "--plans", "not_a_plan.json"],
      ["--plans not_a_plan.json is not a plan", "missing ['stored'", "solve --json"]),
     (["simulate", "--graph", "g.json", "--plans", "bad_action.json"], ["'discard'", "is not a plan"]),
+    (["simulate", "--graph", "g.json", "--plans", "nested_ids.json"],
+     ["--plans nested_ids.json is not a plan", "list of vertex ids"]),
+    (["simulate", "--graph", "g.json", "--plans", "nan_extra.json"],
+     ["--plans nan_extra.json is not a plan", "predicted_extra_seconds=nan", "finite"]),
     (["simulate", "--graph", "g.json", "--plans", "plans.jsonl"], ["--plans plans.jsonl line 2 is not JSON"]),
     (["simulate", "--graph", "g.json", "--plans", "no_plans.jsonl"], ["no_plans.jsonl holds no plan"]),
     (["simulate", "--graph", "g.json", "--plans", "plan_of_8.json"],
@@ -107,6 +140,24 @@ def test_a_budget_written_as_a_fraction_is_a_fraction(files, capsys):
     assert main(["solve", "--graph", "g.json", "--budget", "0.5", "--solver", "plain"]) == 2
     assert "no plan fits a budget of 350 B" in capsys.readouterr().err  # half of 700 B
     assert main(["solve", "--graph", "g.json", "--budget", "1.0", "--solver", "plain"]) == 0
+
+
+def test_a_budget_string_means_the_same_in_the_library_and_on_the_command_line(files, capsys):
+    from lightning_remat.budget import parse_budget
+
+    peak = plain_plan(Graph.load("g.json")).predicted_peak_bytes
+    assert parse_budget("0.5", peak) == parse_budget(0.5, peak) == peak // 2
+    assert main(["solve", "--graph", "g.json", "--budget", "0.5", "--solver", "plain"]) == 2
+    assert f"no plan fits a budget of {peak // 2} B" in capsys.readouterr().err
+
+
+def test_faulty_graphs_print_no_numpy_warnings(files, capsys, recwarn):
+    for name in ("infinite_time.json", "nan_time.json", "infinite_step.json"):
+        code, err = _run(["min-budget", "--graph", name], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+    # numpy's overflow and invalid-value warnings are RuntimeWarnings.
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)], [
+        str(w.message) for w in recwarn]
 
 
 @pytest.mark.slow
