@@ -156,8 +156,11 @@ class SimulatedStreams(DeviceStreams):
     bytes_in_flight: int = 0
     max_bytes_in_flight: int = 0
     compute_waits_count: int = 0
-    pinned_allocations: list[int] = field(default_factory=list)
+    pinned_requests: list[int] = field(default_factory=list)
     """Sizes of the pinned buffers asked for."""
+    pinned_allocations: list[int] = field(default_factory=list)
+    """Sizes of the pinned blocks handed out: each request rounded up to a power of two,
+    as CUDA's caching host allocator does (which also keeps freed blocks)."""
     _queue: deque = field(default_factory=deque, repr=False)
 
     def _issue(self, copy: _Copy) -> _Copy:
@@ -208,8 +211,12 @@ class SimulatedStreams(DeviceStreams):
         return bool(event.completed)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        self.pinned_allocations.append(int(nbytes))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        from lightning_remat.runtime.offload import pinned_block_bytes
+
+        self.pinned_requests.append(int(nbytes))
+        block = pinned_block_bytes(nbytes)
+        self.pinned_allocations.append(block)
+        return torch.empty(block, dtype=torch.uint8)[:nbytes]
 
     def allocated_bytes(self) -> int:
         return 0

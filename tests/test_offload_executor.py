@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_remat.runtime.offload import OffloadedModule, OffloadHooks
+from lightning_remat.runtime.offload import OffloadedModule, OffloadHooks, pinned_block_bytes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -321,7 +321,9 @@ def test_one_pinned_area_sized_from_the_plan_is_reused_every_step():
     step_bytes = 64 * 4 * (32 + 48 + 40 + 56 + 36 + 60 + 48 + 40 + 56 + 36 + 60)
     hooks.reserve(step_bytes + 4096)
     train(model, batches, hooks, steps=4)
-    assert streams.pinned_allocations == [step_bytes + 4096]  # one area, never rounded up
+    # One area, never grown; the allocator's power-of-two block, which the area uses whole.
+    assert streams.pinned_allocations == [pinned_block_bytes(step_bytes + 4096)]
+    assert hooks.stats.pinned_bytes == pinned_block_bytes(step_bytes + 4096)
 
 
 def test_without_a_plan_the_area_is_sized_once_to_the_first_step():
@@ -329,10 +331,13 @@ def test_without_a_plan_the_area_is_sized_once_to_the_first_step():
     streams = SimulatedStreams(latency=0)
     hooks = OffloadHooks(min_bytes=0, streams=streams)
     train(model, batches, hooks, steps=4)
-    first_step = streams.pinned_allocations[:-1]
-    area = streams.pinned_allocations[-1]
-    assert area >= sum(first_step) and area < sum(first_step) + 512 * len(first_step)
+    first_step = streams.pinned_requests[:-1]
+    area = streams.pinned_requests[-1]
+    assert area == pinned_block_bytes(area)  # the whole rounded block
+    assert area == pinned_block_bytes(sum(-(-n // 512) * 512 for n in first_step))
     assert len(streams.pinned_allocations) == len(first_step) + 1  # then reused, steps 3 and 4 too
+    # The first step's buffers, freed, stay in the allocator's cache beside the area: counted.
+    assert hooks.stats.pinned_bytes == sum(streams.pinned_allocations)
 
 
 def test_a_remat_module_never_offloads_its_inputs_parameters_or_buffers():
@@ -368,5 +373,41 @@ def test_the_plan_sizes_the_pinned_area_and_the_prefetch_window():
     x, target = batches[0]
     nn.functional.cross_entropy(model(x, hooks), target).backward()
     fetched = [n for kind, n in streams.log if kind == "to_device"]
-    assert streams.pinned_allocations == [10**6]
+    assert streams.pinned_allocations == [pinned_block_bytes(10**6)] == [2**20]
     assert hooks.stats.fetched_on_demand == 1 and len(fetched) == hooks.stats.offloaded_tensors
+
+
+def test_the_pinned_allocators_blocks_are_powers_of_two():
+    assert [pinned_block_bytes(n) for n in (0, 1, 512, 513, 3 * 2**20)] == [0, 1, 512, 1024, 4 * 2**20]
+    streams = SimulatedStreams()
+    buffer = streams.pinned_empty(3000)
+    assert buffer.numel() == 3000 and streams.pinned_allocations == [4096]
+
+
+def test_sharded_parameters_reach_the_offload_executor(tmp_path):
+    """torch FSDP2's parameters are DTensors, which have no storage of their own: the
+    executor keeps their local shards resident (one gloo rank)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        fully_shard(model)
+        x = torch.randn(256, 64)
+        expected = model(x).sum()
+        expected.backward()
+        grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        hooks = OffloadHooks(min_bytes=0)
+        hooks.keep_resident([*model.parameters(), x])
+        with hooks:
+            out = model(x).sum()
+        out.backward()
+        assert hooks.stats.offloaded_tensors > 0 and hooks.stats.skipped_resident >= 1
+        assert torch.equal(out, expected)
+        for p, g in zip(model.parameters(), grads):
+            assert torch.equal(p.grad.full_tensor(), g)
+    finally:
+        dist.destroy_process_group()

@@ -41,7 +41,10 @@ from torch.utils import _pytree as pytree
 
 from lightning_remat.streams import DeviceStreams, SimulatedStreams, streams_for
 
-__all__ = ["OffloadHooks", "OffloadStats", "OffloadedModule", "measure_bandwidth", "plan_offload_bytes"]
+__all__ = [
+    "OffloadHooks", "OffloadStats", "OffloadedModule", "measure_bandwidth", "pinned_block_bytes",
+    "plan_offload_bytes",
+]
 
 _BANDWIDTH_CACHE: dict[tuple[str, int], float] = {}
 
@@ -139,7 +142,9 @@ class OffloadStats:
     served_before_offload_done: int = 0
     """Unpacks that found the original device tensor still held (its copy still running)."""
     pinned_bytes: int = 0
-    """Size of the pinned host area (plus what overflowed it in the step that sized it)."""
+    """Host memory the pinned buffers hold: each block as the caching host allocator hands
+    it out (:func:`pinned_block_bytes`), the area and what overflowed it, freed blocks
+    included (the allocator keeps them)."""
 
 
 class _Saved:
@@ -177,6 +182,26 @@ class _Packed:
         self.handle = handle
         self.passes = 0
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of the storage ``t`` reads: a DTensor's (torch FSDP2's sharded
+    parameters) is its local shard's, since the DTensor itself has no storage; None for a
+    tensor without one."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return None
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What ``torch.empty(nbytes, pin_memory=True)`` takes from the host: CUDA's caching
+    host allocator hands out blocks rounded up to a power of two, and keeps a freed block
+    for reuse instead of returning it."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -249,8 +274,9 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         """Never offload the storages of ``tensors`` (parameters, buffers, the step's inputs:
         what the profile counts as resident), for the current step."""
         self._resident = {
-            t.untyped_storage().data_ptr() for t in pytree.tree_leaves(list(tensors))
+            key for t in pytree.tree_leaves(list(tensors))
             if isinstance(t, torch.Tensor) and t.layout == torch.strided
+            and (key := _storage_key(t)) is not None
         }
 
     # ---- context ------------------------------------------------------------------------
@@ -297,13 +323,17 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         next step's area is then sized to fit the whole step)."""
         self._step_bytes += -(-nbytes // _ALIGN) * _ALIGN
         if self._area is None and self._area_size:
-            self._area = self._layer(device).pinned_empty(self._area_size)
-            self.stats.pinned_bytes = self._area_size
+            # The allocator rounds the block up anyway: the area uses all of it. An earlier,
+            # smaller area stays in the allocator's cache, so it is still counted.
+            size = pinned_block_bytes(self._area_size)
+            self._area = self._layer(device).pinned_empty(size)
+            self.stats.pinned_bytes += size
         start = self._area_used
         if self._area is not None and start + nbytes <= self._area.numel():
             self._area_used = start + -(-nbytes // _ALIGN) * _ALIGN
             return self._area[start:start + nbytes]
-        self.stats.pinned_bytes += nbytes
+        # An overflow buffer: its block, rounded, stays cached after the step frees it.
+        self.stats.pinned_bytes += pinned_block_bytes(nbytes)
         return self._layer(device).pinned_empty(nbytes)
 
     def _release(self, wait: bool, down_to: int | None = None) -> None:
@@ -334,7 +364,10 @@ class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         if (t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.is_conj()
                 or t.is_neg() or t.is_quantized):
             return False
-        if t.untyped_storage().data_ptr() in self._resident:
+        key = _storage_key(t)
+        if key is None:
+            return False
+        if key in self._resident:
             self.stats.skipped_resident += 1
             return False
         if t.numel() * t.element_size() < self.min_bytes or t.numel() == 0:
