@@ -33,3 +33,21 @@ def test_move_to_device_moves_every_tensor_and_keeps_each_containers_type():
     assert type(moved["out"]) is Pair and isinstance(moved["out"].aux, list)
     assert moved["out"].logits.device.type == "meta" and moved["out"].aux[0].device.type == "meta"
     assert moved["out"].aux[1] == 3 and moved["name"] == "x"
+
+
+def test_the_cuda_margin_counts_cached_blocks_handed_out_whole_unless_segments_expand(monkeypatch):
+    from lightning_remat.graph.ir import Graph
+    from lightning_remat.solvers.scoring import CUDA_BLOCK_BYTES, expandable_segments, model_margin
+
+    graph = Graph.chain([3 * 2**20, 2**19, 5 * 2**20])
+    graph.meta.device = "cuda:0"
+    rounding = CUDA_BLOCK_BYTES * 3 * len(graph)
+    # Two values of the large pool, each may get a cached block up to 1 MiB larger.
+    assert model_margin(graph, expandable=False) == rounding + 2 * 2**20
+    assert model_margin(graph, expandable=True) == rounding
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    assert expandable_segments() and model_margin(graph) == rounding
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not expandable_segments() and model_margin(graph) == rounding + 2 * 2**20
+    graph.meta.device = "cpu"
+    assert model_margin(graph, expandable=False) == model_margin(graph, expandable=True)

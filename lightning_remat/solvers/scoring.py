@@ -12,7 +12,8 @@ from lightning_remat.solvers.schedule import Schedule, make_schedule
 from lightning_remat.solvers.simulate import simulate
 
 __all__ = [
-    "CUDA_BLOCK_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds", "make_plan", "model_margin",
+    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds",
+    "expandable_segments", "make_plan", "model_margin",
     "plain_plan", "recomputed_seconds", "solve_plain", "stage_overhead_seconds",
 ]
 
@@ -69,21 +70,42 @@ tests' models the simulator is within a few hundred bytes of it."""
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
 
+CUDA_UNSPLIT_BYTES = 2**20
+"""The CUDA caching allocator hands a cached block of the large pool (requests over 1 MiB)
+out whole when what would be left after splitting it is under 1 MiB: a request can take up
+to 1 MiB more than it asked for. With ``expandable_segments:True`` blocks are mapped to
+fit instead, and this does not happen."""
 
-def model_margin(graph: Graph) -> int:
+
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator runs with ``expandable_segments:True``
+    (``PYTORCH_CUDA_ALLOC_CONF``, or ``PYTORCH_ALLOC_CONF`` in newer torch)."""
+    import os
+
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     """The known error of the model of a step, which a budget must cover beyond the
     predicted peak (docs/design.md section 4.7): on CUDA the allocator's rounding, up to one
     block for each storage that can be live at once (each vertex's value, its saved state
-    and its gradient, and each parameter gradient); on other devices
-    ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
-    is its own exact model: no margin."""
+    and its gradient, and each parameter gradient), plus, unless the allocator's segments
+    are expandable (``expandable``; None: read from the environment), up to
+    :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
+    cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` per
+    vertex. A graph no profile measured (no ``meta.device``) is its own exact model: no
+    margin."""
     if graph.meta.device is None:
         return 0
     device = str(graph.meta.device)
     n = len(graph)
     if device.startswith("cuda"):
         params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
-        return CUDA_BLOCK_BYTES * (3 * n + params)
+        margin = CUDA_BLOCK_BYTES * (3 * n + params)
+        if not (expandable_segments() if expandable is None else expandable):
+            margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
+        return margin
     return SMALL_TENSOR_BYTES * n
 
 
