@@ -47,7 +47,7 @@ date and commit of the run, and ``benchmarks/render.py`` turns every results fil
     python benchmarks/run.py --quick                  # CPU subset, < 20 minutes on 2 cores
     python benchmarks/run.py                          # every model and method on this device
     python benchmarks/run.py --device cuda --models resnet50 --part peers   # one GPU step
-    bash benchmarks/gpu.sh                            # the whole GPU set, in steps
+    python benchmarks/gpu/plans.py                    # the GPU commands: benchmarks/gpu/
 
 The script refuses to run from a tree with uncommitted changes (the commit it records would
 not be what was measured) unless ``--allow-dirty``; such rows name the commit plus "+dirty".
@@ -570,7 +570,7 @@ def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: C
     batch, size = chosen["sizes"].get(model) if kind == "cpu" and model in chosen["sizes"] else SIZES[kind][model]
     batch = args.batch or batch
     out_path = RESULTS / args.tag / f"{model}.json"
-    # Parts of one model measured in separate invocations (gpu.sh) land in one file.
+    # Parts of one model measured in separate invocations (benchmarks/gpu/plans.py) land in one file.
     record = json.loads(out_path.read_text()) if out_path.exists() and args.part != "all" else {}
     record.update(model=model, batch=batch, size=size, **meta)
     rows = record.setdefault("rows", {})
