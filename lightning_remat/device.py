@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "default_budget", "device_name", "free_device_memory", "is_out_of_memory", "module_device",
-    "move_to_device", "preserved_state", "preserved_training_state",
+    "move_to_device", "optimizer_state_made", "preserved_state", "preserved_training_state",
 ]
 
 DEFAULT_MARGIN = 0.1
@@ -130,3 +130,31 @@ def preserved_training_state(module: nn.Module) -> Iterator[None]:
                     p.copy_(params[name])
                     grad = grads[name]
                     p.grad = None if grad is None else grad.to(p.device)
+
+
+@contextlib.contextmanager
+def optimizer_state_made(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """Inside, every optimizer holds the state its first step creates (momenta, Adam's
+    moments), so that the free device memory read inside is what training has from its
+    second step on. An optimizer without state takes one step over zero gradients; on exit
+    its parameters, their gradients and its (empty) state are restored. The parameters'
+    copies are kept on the host, so they take no device memory from the reading."""
+    without = [o for o in optimizers if not o.state]
+    params = list({id(p): p for o in without for group in o.param_groups for p in group["params"]
+                   if p.requires_grad}.values())
+    host = torch.device("cpu")
+    kept = [(p, p.detach().to(host, copy=True), p.grad) for p in params]
+    states = [(o, o.state_dict()) for o in without]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for optimizer in without:
+            optimizer.step()
+        yield
+    finally:
+        with torch.no_grad():
+            for p, data, grad in kept:
+                p.copy_(data)
+                p.grad = grad
+        for optimizer, state in states:
+            optimizer.load_state_dict(state)

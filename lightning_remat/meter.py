@@ -59,8 +59,12 @@ class StorageMeter(TorchDispatchMode):
             for t in tree_leaves(value):
                 if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                     continue
+                # A DTensor (torch FSDP2's parameters, their gradients and optimizer state)
+                # has no storage of its own: its local shard's is what it takes.
+                t = _local(t)
                 try:
                     storage = t.untyped_storage()
+                    storage.data_ptr()
                 except (RuntimeError, NotImplementedError):  # sparse, nested: no storage
                     continue
                 key = id(storage)
@@ -93,9 +97,14 @@ class StorageMeter(TorchDispatchMode):
         self._refs.pop(key, None)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _data_ptr(t: torch.Tensor) -> int:
     try:
-        return t.untyped_storage().data_ptr()
+        return _local(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return -1
 

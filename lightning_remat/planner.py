@@ -170,10 +170,12 @@ class PlanSettings:
                 or self.profile_repeats < 1:
             raise ValueError(f"profile_repeats={self.profile_repeats!r} must be an int >= 1")
 
-    def budget_bytes(self, graph: Graph, device: torch.device) -> int | None:
-        """The budget in bytes for the input ``graph`` was profiled on."""
+    def budget_bytes(self, graph: Graph, device: torch.device,
+                     free_memory: Callable[[torch.device], int | None] | None = None) -> int | None:
+        """The budget in bytes for the input ``graph`` was profiled on. ``free_memory``:
+        reads the device's memory for a budget of None (default: :func:`default_budget`)."""
         if self.memory_budget is None:
-            return default_budget(device)
+            return (free_memory or default_budget)(device)
         return parse_budget(self.memory_budget, plain_peak_bytes(graph))
 
 
@@ -248,6 +250,9 @@ class Planner:
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
     shape family's, which fx code being shape-generic serves every batch size).
+    ``free_memory(device) -> bytes | None``: the budget of ``memory_budget=None`` (default:
+    :func:`~lightning_remat.device.default_budget`; the strategy reads it with the
+    optimizer's state in place, :func:`~lightning_remat.device.optimizer_state_made`).
 
     Pickled (``torch.save`` of the module :func:`remat` returns), the planner leaves out
     ``loss_fn`` and ``progress``: they are often lambdas, which pickle cannot save, and only
@@ -258,7 +263,7 @@ class Planner:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
-        state["loss_fn"] = state["progress"] = None
+        state["loss_fn"] = state["progress"] = state["free_memory"] = None
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
@@ -282,8 +287,10 @@ class Planner:
         progress: Callable[[str], None] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         tracer: Tracer | None = None,
+        free_memory: Callable[[torch.device], int | None] | None = None,
     ) -> None:
         self.module = module
+        self.free_memory = free_memory
         self.profiler = profiler
         self.tracer = tracer
         self.loss_fn = loss_fn
@@ -302,6 +309,8 @@ class Planner:
         self.busy = False
         """True while planning: a forward the strategy wraps must then run plainly."""
         self._plan_started: float | None = None
+        self._budget_read: int | None = None
+        """The budget the plan being made was solved for (read once per plan)."""
         self._loss_fn_left_out = False
         """Unpickled without the ``loss_fn`` it was given (see :meth:`__getstate__`)."""
         check_solver_for_device(self.settings.solver, module_device(module))
@@ -379,22 +388,16 @@ class Planner:
         for rank, key in enumerate(keys):
             if key is not None:
                 owners.setdefault(repr(key), rank)
-        for key_text, owner in sorted(owners.items()):
-            exchange = Exchange(self.ranks, owner)
-            if self.sharding != "none":
-                self._plan_together(args, kwargs, new_key, exchange)
-            elif exchange.mine:
-                assert new_key is not None and repr(new_key) == key_text
-                self._plan_and_share(args, kwargs, new_key, exchange)
-            else:
-                self.agreed[key_text] = exchange.receive(SharedPlan)
+        for _key_text, owner in sorted(owners.items()):
+            self._plan_together(args, kwargs, new_key, Exchange(self.ranks, owner))
 
     def _plan_together(self, args: tuple, kwargs: dict, new_key: InputKey | None,
                        exchange: Exchange) -> None:
-        """Sharded ranks: every rank traces (and, unless the owner holds a stored plan,
-        profiles) the owner's new key together, on the owner's inputs, since FSDP gathers
-        parameters inside each unit's call; the owner solves and broadcasts the plan, and
-        every rank applies it. The owner's measurements decide, as under DDP."""
+        """Every rank traces (and, unless the owner holds a stored plan, profiles) the
+        owner's new key together, on the owner's inputs: FSDP gathers parameters inside each
+        unit's call, and any module may run a collective in its forward (SyncBatchNorm, an
+        all-to-all), so no rank runs the module alone. The owner solves and broadcasts the
+        plan, and every rank applies it: the owner's measurements decide."""
         if exchange.mine:
             assert new_key is not None
             call = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu"))
@@ -420,9 +423,12 @@ class Planner:
         rank's share of FSDP's collectives), then take the owner's plan."""
         message = exchange.receive(ProfileTogether, SharedPlan)
         if isinstance(message, ProfileTogether):
-            profile_module(self.module, args, example_kwargs=kwargs or None,
-                           repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
-                           traced=traced, loss_fn=self.loss_fn)
+            if self.profiler is not None:
+                self.profiler(self.module, args, kwargs, traced)
+            else:
+                profile_module(self.module, args, example_kwargs=kwargs or None,
+                               repeats=self.settings.profile_repeats, safe=self.settings.safe_profile,
+                               traced=traced, loss_fn=self.loss_fn, agree=exchange.ranks.any)
             message = exchange.receive(SharedPlan)
         return message.unpack()
 
@@ -460,7 +466,10 @@ class Planner:
             if exchange is not None:
                 exchange.send(SharedPlan.of(graph, plan, from_store))
         variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
-        variant.budget_bytes = settings.budget_bytes(graph, device)
+        read = getattr(self, "_budget_read", None)
+        variant.budget_bytes = read if read is not None else \
+            settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        self._budget_read = None
         variant.from_cache = from_store
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
         return Planned(key, variant, self.remat_module, example, basis)
@@ -484,7 +493,7 @@ class Planner:
                 self._say_why_not(basis, self.cache.bases(), "plan cache")
         module, settings = self.module, self.settings
         device = module_device(module, args)
-        if exchange is not None and self.sharding != "none":
+        if exchange is not None:
             exchange.send(ProfileTogether())
         note = self.progress or (lambda line: None)
         started = self._plan_started or time.perf_counter()
@@ -494,6 +503,7 @@ class Planner:
             graph = profile_module(
                 module, args, example_kwargs=kwargs or None, repeats=settings.profile_repeats,
                 safe=settings.safe_profile, traced=traced, progress=note, loss_fn=self.loss_fn,
+                agree=None if exchange is None else exchange.ranks.any,
             )
         # The gradients' state is the run's own: a loop that keeps them plans for that.
         graph.meta.grads_resident = grads_resident(module)
@@ -505,7 +515,7 @@ class Planner:
             (graph.meta.recompute_stage_seconds,
              graph.meta.recompute_vertex_seconds) = measure_recompute_overhead(device)
         profiled = time.perf_counter()
-        budget = settings.budget_bytes(graph, device)
+        budget = self._budget_read = settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
         plan = plain_plan(graph) if budget is None else self._solve(graph, budget, options)

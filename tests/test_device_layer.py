@@ -282,3 +282,88 @@ def test_bandwidth_is_timed_on_the_models_device_not_the_current_one():
     rate = _cuda_bandwidth(torch.device("cuda", 1), 1024, 1, cuda=fake_cuda, empty=fake_empty)
     assert rate == pytest.approx(1024 * 4 / 1e-3)
     assert recorded and set(recorded) == {("cuda:1", "cuda:1")}
+
+
+def test_a_trials_plan_reads_the_default_budget_once_the_optimizer_state_exists(tmp_path, monkeypatch):
+    """The plan a trial makes for memory_budget=None is solved for the memory left with the
+    optimizer's state in place, as its verdict is; the state is gone again after the trial."""
+    import pytorch_lightning as pl
+
+    import lightning_remat.lightning.trial as trial_module
+    from tests.test_batch_size import SizedConvNet, _search_settings, small_trainer
+
+    seen: dict = {}
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            reads: list[int] = []
+
+            def available(device):
+                reads.append(len(optimizer.state))
+                return 10**9 - 10**6 * len(optimizer.state)
+
+            monkeypatch.setattr(trial_module, "default_budget", available)
+            settings = _search_settings(trainer, 10**9)
+            settings = dataclasses.replace(settings, budget_from_device=True,
+                                           plan=dataclasses.replace(settings.plan, memory_budget=None))
+            trial = trial_module.LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                                solver="auto", settings=settings)
+            seen["result"], seen["reads"] = trial(4), reads
+            seen["state_after"] = len(optimizer.state)
+            raise pl.utilities.exceptions._TunerExitException()
+
+    trainer = small_trainer(tmp_path, max_steps=1, callbacks=[Probe()])
+    trainer.fit(SizedConvNet(batch_size=2))
+    # The first asks whether the device has a limit; the plan's reading and the verdict's
+    # are both taken with the optimizer's state in place.
+    readings = seen["reads"][1:]
+    assert len(readings) == 2 and min(readings) > 0
+    assert seen["state_after"] == 0 and seen["result"].feasible
+
+
+def test_the_strategy_reads_a_default_budget_with_the_optimizer_state_in_place(tmp_path, monkeypatch):
+    """memory_budget=None plans at the first step, before the optimizer's first step makes
+    its state: the budget is read with that state made for the reading and undone, so the
+    training is the same as without it."""
+    import pytorch_lightning as pl
+
+    import lightning_remat.lightning.strategy as strategy_module
+    from lightning_remat.lightning.strategy import RematStrategy
+    from tests.lit_models import ConvNet, loaders, trainer_kwargs
+
+    class MomentumNet(ConvNet):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def fit(root):
+        pl.seed_everything(0)
+        model = MomentumNet()
+        trainer = pl.Trainer(strategy=RematStrategy(memory_budget=None, cache_dir=root),
+                             **trainer_kwargs(root, max_steps=2))
+        trainer.fit(model, loaders(n=32, batch_size=8)[0])
+        return model, trainer
+
+    plain, _ = fit(tmp_path / "plain")  # the CPU: no limit, nothing read
+    reads: list[int] = []
+
+    def available(device):
+        trainer = reads_of[0]
+        reads.append(sum(len(o.state) for o in trainer.optimizers))
+        return 10**9 - 10**6 * reads[-1]
+
+    reads_of: list = []
+    original = strategy_module._free_memory
+
+    def free_memory(trainer, device):
+        reads_of[:] = [trainer]
+        return original(trainer, device)
+
+    monkeypatch.setattr(strategy_module, "default_budget", available)
+    monkeypatch.setattr(strategy_module, "_free_memory", free_memory)
+    model, trainer = fit(tmp_path / "read")
+    states = reads[1::2]  # each reading: once to ask whether there is a limit, once with the state
+    assert states and min(states) > 0
+    assert trainer.strategy.planner.last.budget_bytes == 10**9 - 10**6 * states[0]
+    for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -173,6 +173,7 @@ def profile_module(
     traced: Traced | None = None,
     example_kwargs: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    agree: Callable[[bool], bool] | None = None,
 ) -> Graph:
     """Trace (unless ``traced`` is given) and profile ``module`` on its device.
 
@@ -194,7 +195,12 @@ def profile_module(
     (docs/design.md section 3). An op's time is its fastest timed measurement. Safe mode
     measures each op ``warmup`` (default 1) + ``repeats`` times and takes the median.
     ``progress(line)``: called with a short line as each phase starts.
+    ``agree(flag) -> bool``: whether ``flag`` holds on any rank, for ranks that profile
+    together (torch FSDP's collectives, a collective in the forward): every decision that
+    changes which steps run (one more timed step, the memory-safe fallback) is then the
+    ranks' together, never one rank's from its own timings or its own error.
     """
+    agree = agree or (lambda flag: flag)
     if warmup is None:
         warmup = 1 if safe or module_device(module).type == "cuda" else 0
     if warmup < 0 or repeats < 1:
@@ -246,12 +252,16 @@ def profile_module(
                     meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
                         module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
-                                                      plain_seconds, note)
+                                                      plain_seconds, note, agree)
                 meta.step_seconds = plain_seconds or wall
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
                 fallback_reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            # Taken by every rank or by none: a rank profiling in safe mode alone would run
+            # other collectives than the rest.
+            if agree(bool(fallback_reason)) and not fallback_reason:
+                fallback_reason = "another rank ran out of memory"
         if fallback_reason:
             # The exception (and its frames holding activations) is gone here; free the cache.
             _clear_grads(grad_holders)
@@ -409,15 +419,15 @@ def _time_in_doubt(timed: list[OpRecord], upper: OpRecord | None, step_seconds: 
 
 def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_fn: LossFn,
                    grad_holders: list[torch.Tensor], repeats: int, device: torch.device,
-                   plain_seconds: float | None,
-                   note: Callable[[str], None]) -> tuple[OpRecord, list[OpRecord], float]:
+                   plain_seconds: float | None, note: Callable[[str], None],
+                   agree: Callable[[bool], bool]) -> tuple[OpRecord, list[OpRecord], float]:
     """Normal mode: instrumented steps, each op measured as the forward reaches it
     (docs/design.md section 3). Returns the record whose bytes count (CPU: a step under
     the storage meter, whose workspaces it reads; CUDA: the first timed step, whose
     workspaces come from the allocator's counters), the timed records, and the fastest
     timed step's wall time. A timed step repeats, up to ``repeats``, only while the time in
-    doubt (:func:`_time_in_doubt`) is above :data:`_UNSETTLED_SHARE` of the step: one
-    timed step where one will do."""
+    doubt (:func:`_time_in_doubt`) is above :data:`_UNSETTLED_SHARE` of the step on some
+    rank (``agree``): one timed step where one will do, as many on every rank."""
 
     def step(meter: StorageMeter | None = None) -> tuple[OpRecord, float]:
         profiler, run = make(meter=meter)
@@ -444,7 +454,7 @@ def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_
         record, wall = step()
         timed.append(record)
         walls.append(wall)
-        if _time_in_doubt(timed, metered, plain_seconds) <= _UNSETTLED_SHARE:
+        if not agree(_time_in_doubt(timed, metered, plain_seconds) > _UNSETTLED_SHARE):
             break
     return metered if metered is not None else timed[0], timed, min(walls)
 

@@ -10,6 +10,12 @@ Tags written (all under ``remat/``):
   ``remat/timeline/measured`` and ``remat/timeline/predicted`` (x: op index), the text
   ``remat/plan`` (markdown table), hparams, and a custom-scalars layout that puts measured,
   predicted and the budget on one chart.
+
+The measured timeline replays the planned call op by op in one process. Across ranks
+(DDP, FSDP) or in a sharded module no rank replays alone: the module's collectives (FSDP's
+gathers, a SyncBatchNorm) need every rank, and the replay runs outside FSDP's root unit. There
+the plan is logged after the first step that runs it, with that real step's measured peak
+(``hparam/measured_peak_bytes``) and the predicted timeline.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class MemoryTimelineLogger(pl.Callback):
         self._meter: meter.StorageMeter | None = None
         self._layout_written = False
         self._logging = False
+        self._pending: Any = None
+        """A plan made across ranks, logged with the peak of the first step that runs it."""
 
     # ---- helpers ------------------------------------------------------------------------
     @staticmethod
@@ -89,6 +97,12 @@ class MemoryTimelineLogger(pl.Callback):
         running.__exit__(None, None, None)
         return running.peak
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        pending, self._pending = self._pending, None
+        writer = self._writer(trainer)
+        if pending is not None and writer is not None:  # no step ran the plan after it was made
+            self._log_plan(trainer, writer, pending, trainer.global_step)
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._stop_meter()
 
@@ -111,6 +125,9 @@ class MemoryTimelineLogger(pl.Callback):
         if writer is None or not trainer.is_global_zero:
             return
         step = trainer.global_step
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._log_plan(trainer, writer, pending, step, measured_peak=peak)
         entry = self._log_new_plan(trainer)
         writer.add_scalar(f"{TAG}/peak_bytes", peak, step)
         writer.add_scalar(f"{TAG}/step_seconds", seconds, step)
@@ -133,17 +150,27 @@ class MemoryTimelineLogger(pl.Callback):
         writer = self._writer(trainer)
         if id(entry) not in self._logged_plans and writer is not None and trainer.is_global_zero:
             self._logged_plans.add(id(entry))
-            self._log_plan(trainer, writer, entry, trainer.global_step)
+            if self._replays(trainer):
+                self._log_plan(trainer, writer, entry, trainer.global_step)
+            else:  # this step planned: its peak is the profile's; the next one runs the plan
+                self._pending = entry
         return entry
+
+    @staticmethod
+    def _replays(trainer: Any) -> bool:
+        """Whether the planned call may be replayed on this rank alone: one process, no
+        sharded module (see the module docstring)."""
+        planner = MemoryTimelineLogger._planner(trainer)
+        return trainer.world_size == 1 and getattr(planner, "sharding", "none") == "none"
 
     def _new_plan(self, trainer: Any) -> bool:
         planner = self._planner(trainer)
         return bool(planner is not None and planner.planned and id(planner.last) not in self._logged_plans)
 
-    def _log_plan(self, trainer: Any, writer: Any, entry: Any, step: int) -> None:
+    def _log_plan(self, trainer: Any, writer: Any, entry: Any, step: int, measured_peak: int | None = None) -> None:
         predicted = entry.predicted_timeline()
         measured: list[int] = []
-        if self.timeline and entry.example is not None:
+        if self.timeline and entry.example is not None and self._replays(trainer):
             measured = [p.live_bytes for p in entry.measure_timeline()]
         for i, e in enumerate(predicted.events):
             writer.add_scalar(f"{TAG}/timeline/predicted", e.live_bytes, i)
@@ -162,7 +189,8 @@ class MemoryTimelineLogger(pl.Callback):
         writer.add_figure(f"{TAG}/timeline", figure, step)
         writer.add_text(f"{TAG}/plan", format_plan(entry.graph, entry.plan, budget_bytes=entry.budget_bytes,
                                                    markdown=True), step)
-        measured_peak = max(measured) if measured else -1
+        if measured_peak is None:
+            measured_peak = max(measured) if measured else -1
         writer.add_hparams(
             {"batch_size": int(entry.graph.meta.batch_size or 0),
              "budget_bytes": int(entry.budget_bytes or 0), "solver": entry.plan.solver},

@@ -45,6 +45,7 @@ from lightning_remat.cache import PlanCache
 from lightning_remat.device import (
     default_budget,
     move_to_device,
+    optimizer_state_made,
     preserved_state,
     preserved_training_state,
 )
@@ -296,6 +297,15 @@ class LightningTrial:
                               repeats=self.settings.plan.profile_repeats,
                               safe=self.settings.plan.safe_profile, loss_fn=self._loss)
 
+    def _free_memory(self, device: torch.device) -> int | None:
+        """The plan's budget for ``memory_budget=None``: the available memory with the
+        optimizer's state in place, as the trial's verdict reads it after its first step
+        (read before that state exists, the plan would count it as free)."""
+        if default_budget(device) is None:
+            return None
+        with optimizer_state_made(list(self.trainer.optimizers)):
+            return default_budget(device)
+
     def _run_step(self, batch: Any, measured: list[tuple[int, int, float]] | None = None) -> None:
         """One training step as Lightning's automatic optimization runs it: the module's
         ``optimizer_step`` hook steps its LightningOptimizer with a closure running the
@@ -367,9 +377,14 @@ class LightningTrial:
                     profiler=self._graph_for_trial if self.family else None,
                     loss_fn=self._loss,
                     tracer=self._trace_for_trial if self.family else None,
+                    free_memory=self._free_memory,
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 routed = forward_routed(self.target, planner)
+                over = _over_budget_somewhere(planned)
+                if over:
+                    return TrialResult(False, reason=over, solver=planned.plan.solver,
+                                       predicted_peak_bytes=planned.plan.predicted_peak_bytes)
             measured: list[tuple[int, int, float]] = []
             reserved, seconds = [0], []
             with routed:
@@ -402,6 +417,23 @@ class LightningTrial:
             predicted_peak_bytes=planned.plan.predicted_peak_bytes if planned else None,
             solver=planned.plan.solver if planned else PLAIN,
         )
+
+
+def _over_budget_somewhere(planned: Planned) -> str:
+    """Across ranks (a collective): why the plan cannot fit the budget some rank read for
+    it (its own free memory under ``memory_budget=None``), or "" where it fits on every
+    rank. Decided together before any step runs: the steps are collectives (FSDP's gathers,
+    DDP's reductions), and a rank that ran out of memory inside one would leave the others
+    waiting in it."""
+    if world_size() == 1:
+        return ""
+    budgets = DistributedRanks().gather(planned.budget_bytes)
+    # Rank zero made the plan for its budget; a rank with less must fit it on its own.
+    made_for, need = budgets[0], planned.plan.guaranteed_peak_bytes
+    over = [f"rank {rank}: the plan needs {need} B, over its budget {budget} B"
+            for rank, budget in enumerate(budgets)
+            if budget is not None and made_for is not None and budget < made_for and need > budget]
+    return "; ".join(over)
 
 
 def _batchless(args: tuple, kwargs: dict) -> object:
