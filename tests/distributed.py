@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 WORLD_SIZE = 2
 
@@ -65,7 +66,7 @@ def run_ranks(out: Path, scenarios: list[Callable[[int, Path], None]], timeout: 
             if time.monotonic() > deadline:
                 raise AssertionError(f"the ranks hung past {timeout:.0f} s; done: "
                                      f"{sorted(p.name for p in out.glob('*/done*'))}")
-    except mp.ProcessException as exc:
+    except ProcessException as exc:
         errors = "\n".join(p.read_text() for p in sorted(out.glob("error*.txt")))
         raise AssertionError(f"a rank failed:\n{errors or exc}") from None
     finally:
