@@ -697,7 +697,7 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
         fx_reason = _reason(exc)
     export_reason = ""
-    if not fsdp_unit_types():  # export cannot keep FSDP's units whole: they stay fx's or the fallback's
+    if not any(is_sharded_unit(m) for m in module.modules()):  # export cannot keep FSDP's units whole
         try:
             traced = _trace_export(module, inputs, kwargs, devices)
         except Exception as exc:  # export raises many kinds (user errors, guards on data, unsupported ops)
