@@ -465,6 +465,8 @@ class Planner:
             graph, plan, from_store = self._plan_locally(args, kwargs, key, traced, basis, exchange)
             if exchange is not None:
                 exchange.send(SharedPlan.of(graph, plan, from_store))
+        if not any(note.startswith("capture: ") for note in plan.notes):
+            plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
         read = getattr(self, "_budget_read", None)
         variant.budget_bytes = read if read is not None else \

@@ -33,6 +33,7 @@ from lightning_remat.graph.ir import Graph
 __all__ = [
     "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
     "draws_random", "inplace_operands", "keepable", "mutated_operand", "random_vertices",
+    "written_attributes",
 ]
 
 VIEW_OPS = frozenset({
@@ -128,6 +129,9 @@ def mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
             return None
         return first if getattr(module, "inplace", False) is True else None
     if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):  # an ATen op (an exported graph): its schema says
+            written = node.target._schema.arguments[0].alias_info if node.target._schema.arguments else None
+            return first if written is not None and written.is_write else None
         if node.kwargs.get("inplace") is True or node.target in _INPLACE_OPERATORS:
             return first
         name = getattr(node.target, "__name__", "")
@@ -139,6 +143,21 @@ def mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
         if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
             return first
     return None
+
+
+def written_attributes(node: fx.Node) -> list[fx.Node]:
+    """The ``get_attr`` nodes (buffers) an ATen op writes in place, from its schema: an
+    exported graph's ``batch_norm`` writes its running statistics, an ``add_`` on a buffer
+    its counter."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    written: list[fx.Node] = []
+    for k, argument in enumerate(node.target._schema.arguments):
+        value = node.args[k] if k < len(node.args) else node.kwargs.get(argument.name)
+        if (argument.alias_info is not None and argument.alias_info.is_write
+                and isinstance(value, fx.Node) and value.op == "get_attr"):
+            written.append(value)
+    return written
 
 
 # ---- vertices of a graph ------------------------------------------------------------------

@@ -35,10 +35,12 @@ so they stay in one module.
 
 When fx cannot trace the module (data-dependent control flow, iteration over a tensor, a
 call that needs a tensor's value, ``*args``/``**kwargs``), or its graph does not reproduce
-``module(x)`` on the example input, no forward is rebuilt: the model's own forward keeps
+``module(x)`` on the example input, non-strict ``torch.export`` captures it
+(:mod:`lightning_remat.graph.export`, kind ``"export"``: a vertex per ATen op, checked on
+the example input as an fx trace is). When that fails too, no forward is rebuilt: the model's own forward keeps
 running, with its control flow, and the submodules it calls exactly once become the vertices
 (kind ``"children"``), to be checkpointed where the forward calls them
-(:mod:`lightning_remat.runtime.hooked`). A ``UserWarning`` says why fx failed. When the
+(:mod:`lightning_remat.runtime.hooked`). A ``UserWarning`` says why fx and export failed. When the
 forward calls no submodule once (or fails on the example input), :class:`TraceError` names
 the module class, what fx rejected and why the fallback cannot apply.
 """
@@ -60,17 +62,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.device import preserved_state
 from lightning_remat.errors import TraceError, warn_caller
+from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.ops import draws_random, mutated_operand
 
 __all__ = [
-    "CHILDREN", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem",
+    "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem",
     "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
 ]
 
 
 CHILDREN = "children"
 """``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
+EXPORT = "export"
+"""``Traced.kind`` of a forward captured by non-strict ``torch.export`` (ATen ops as vertices)."""
 
 
 def fsdp_unit_types() -> tuple[type, ...]:
@@ -205,10 +210,29 @@ class Traced:
     children: list[tuple[str, nn.Module]] = field(default_factory=list)
     charge: dict[str, str] = field(default_factory=dict)
     fx_failure: str = ""
-    """Why fx was not used (fallback only)."""
+    """Why fx was not used (export and fallback only)."""
+    export_failure: str = ""
+    """Why torch.export was not used (fallback only; empty when it was not tried)."""
+    output_spec: pytree.TreeSpec | None = None
+    """For ``kind == "export"``: the forward's output structure over the graph's flat output
+    leaves."""
     repeated: list[str] = field(default_factory=list)
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def granularity(self) -> str:
+        """How finely the forward was captured, for the plan's notes: the capture path, the
+        number of vertices and, for the fallback, which submodules are opaque and why."""
+        count = len(self.graph)
+        if self.kind == EXPORT:
+            return (f"capture: torch.export (non-strict), {count} vertices, one per ATen op "
+                    f"(torch.fx could not trace it: {self.fx_failure})")
+        if self.kind == CHILDREN:
+            why = f"torch.fx: {self.fx_failure}" + (
+                f"; torch.export: {self.export_failure}" if self.export_failure else "")
+            return (f"capture: the module's own forward, {count} vertices; opaque submodules, each "
+                    f"kept or recomputed whole: {', '.join(name for name, _ in self.children)} ({why})")
+        return f"capture: torch.fx, {count} vertices"
 
     @property
     def runner(self) -> fx.GraphModule:
@@ -349,6 +373,8 @@ def _op_name(gm: fx.GraphModule, n: fx.Node) -> str:
         return type(gm.get_submodule(str(n.target))).__name__
     if n.op == "call_method":
         return str(n.target)
+    if isinstance(n.target, torch._ops.OpOverload):  # an exported graph's ATen op: "view", not "view.default"
+        return n.target.overloadpacket.__name__
     return getattr(n.target, "__name__", str(n.target))
 
 
@@ -537,6 +563,24 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     names, defaults, concrete = _signature(module, inputs, kwargs)
     gm = _symbolic_trace(module, concrete or None)
     traced = Traced(gm=gm, graph=Graph([], []), kind="fx", _signature_names=names, _defaults=defaults)
+    return _checked(module, traced, inputs, kwargs, devices)
+
+
+def _trace_export(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                  devices: list[torch.device]) -> Traced:
+    """The forward captured by non-strict ``torch.export`` (:mod:`lightning_remat.graph.export`)."""
+    with preserved_state(module, devices):
+        exported = export_graph_module(module, inputs, kwargs)
+    traced = Traced(gm=exported.gm, graph=Graph([], []), kind=EXPORT, output_spec=exported.output_spec,
+                    _signature_names=exported.argument_names)
+    return _checked(module, traced, inputs, kwargs, devices)
+
+
+def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+             devices: list[torch.device]) -> Traced:
+    """``traced`` with its vertex graph, once its graph was run on the example input and
+    gave what ``module(...)`` gives."""
+    gm = traced.runner
     args = traced.call_args(inputs, kwargs)
     recorder = ValueRecorder(gm)
     expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs),
@@ -636,8 +680,10 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
 
     ``example_inputs`` is a tensor or a tuple of positional inputs; ``example_kwargs`` the
     keyword inputs. Forward arguments not given keep their defaults and are specialised.
-    Falls back to the submodules the forward calls (with a ``UserWarning``) when fx fails;
-    raises :class:`~lightning_remat.errors.TraceError` when that cannot apply either.
+    When fx fails, captures the forward with non-strict ``torch.export``
+    (:mod:`lightning_remat.graph.export`); when that fails too, falls back to the submodules
+    the forward calls (with a ``UserWarning`` naming the module and both reasons); raises
+    :class:`~lightning_remat.errors.TraceError` when that cannot apply either.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
@@ -649,20 +695,42 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     except TraceError:
         raise
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
-        fx_reason = f"{type(exc).__name__}: {exc}".strip()
+        fx_reason = _reason(exc)
+    export_reason = ""
+    if not any(is_sharded_unit(m) for m in module.modules()):  # export cannot keep FSDP's units whole
+        try:
+            traced = _trace_export(module, inputs, kwargs, devices)
+        except Exception as exc:  # export raises many kinds (user errors, guards on data, unsupported ops)
+            export_reason = _reason(exc)
+        else:
+            traced.fx_failure = fx_reason
+            return traced
     try:
         traced = _trace_children(module, inputs, kwargs, devices)
     except Exception as exc:
         raise TraceError(
-            f"cannot trace {type(module).__name__}: torch.fx rejected its forward ({fx_reason}), "
-            f"and it cannot be checkpointed in place: {exc}. Make forward fx-traceable (move "
+            f"cannot trace {type(module).__name__}: torch.fx rejected its forward ({fx_reason})"
+            + (f", torch.export too ({export_reason})" if export_reason else "")
+            + f", and it cannot be checkpointed in place: {exc}. Make forward fx-traceable (move "
             "the data-dependent part into a submodule) or call each part as a submodule once"
         ) from None
     traced.fx_failure = fx_reason
+    traced.export_failure = export_reason
     note = (f"; {', '.join(traced.repeated)} run as they are (called more than once)"
             if traced.repeated else "")
+    exported = f"; torch.export could not capture it either ({export_reason})" if export_reason else ""
     warn_caller(
-        f"torch.fx could not trace {type(module).__name__} ({fx_reason}); its own forward "
+        f"torch.fx could not trace {type(module).__name__} ({fx_reason}){exported}; its own forward "
         f"runs, with the {len(traced.children)} submodules it calls checkpointed where it "
-        f"calls them, one vertex each{note}")
+        f"calls them, one vertex each{note}: a coarse plan, each opaque submodule kept or "
+        "recomputed whole")
     return traced
+
+
+def _reason(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line for a warning: its type and the first line of its message,
+    cut at ``limit`` characters (export's messages run to pages of advice)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(exc).__name__}: {text}".strip().rstrip(":")

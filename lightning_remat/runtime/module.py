@@ -34,11 +34,12 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.trace import CHILDREN, Traced, fsdp_unit_types, fx_vertex_graph
+from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
@@ -81,6 +82,12 @@ class Variant:
     hooked: SubmoduleCheckpointing | None = None
     """For a model fx could not trace: its own forward, its submodules checkpointed in place
     (:mod:`lightning_remat.runtime.hooked`)."""
+    output_spec: pytree.TreeSpec | None = None
+    """For a forward captured by ``torch.export``: its output structure over the flat leaves
+    the stages return."""
+    eager: nn.Module | None = None
+    """For a forward captured by ``torch.export``: the module whose own forward runs outside
+    training (the captured graph is specialised to training mode: its dropout draws)."""
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """The call's arguments in the traced order, defaults filled in."""
@@ -210,6 +217,9 @@ class RematModule(nn.Module):
             variant.hooked.root.training = self.training
             return variant.hooked.run(self.training and torch.is_grad_enabled(), args, kwargs,
                                       self._remat_offload_factory)
+        if variant.eager is not None and not self.training:
+            variant.eager.training = False  # the root is not a child of this module
+            return variant.eager(*args, **kwargs)
         stages = variant.stages
         assert stages is not None
         env: dict[str, Any] = {}
@@ -250,6 +260,8 @@ class RematModule(nn.Module):
                 env.pop(name, None)
             env.update(zip(program.output_names, outputs))
             del outputs
+        if variant.output_spec is not None:
+            return pytree.tree_unflatten(list(rebuild_output(stages.output, env)), variant.output_spec)
         return rebuild_output(stages.output, env)
 
     def _context_fn(self, program: StageProgram, sharded: bool,
@@ -367,6 +379,8 @@ def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: n
     variant = build_variant(traced.runner, plan, owner, root, traced.charge,
                             graph if graph is not None else traced.graph)
     variant.graph = graph
+    if traced.kind == EXPORT:
+        variant.output_spec, variant.eager = traced.output_spec, root
     return variant
 
 

@@ -46,7 +46,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_remat.graph.ops import keepable, mutated_operand
+from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule
 
@@ -306,6 +306,9 @@ def _build_programs(
                 for sub_name, sub in module.named_modules(prefix=str(node.target)):
                     if isinstance(sub, _NormBase) and sub.track_running_stats:
                         norm_modules.append(sub_name)
+            elif node.op == "call_function" and written_attributes(node):
+                # An ATen op of an exported graph writing buffers (batch_norm's statistics).
+                state_buffers.extend(str(a.target) for a in written_attributes(node))
             elif node.op == "call_function" and node.target in _FUNCTIONAL_NORMS:
                 for arg in list(node.args[1:3]) + [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]:
                     if isinstance(arg, fx.Node) and arg.op == "get_attr":

@@ -581,14 +581,24 @@ class StepSimulation:
                 else self._val(v))
             for v in stage
         }
+        # A kept op whose output turned out to share the storage of a value recomputed in
+        # the stage (a dropout of probability 0, a cast to the dtype it has, return their
+        # input): what its readers save of that storage is the kept one; the recomputed
+        # value is a fresh storage only its other readers read.
+        kept_aliases: dict[str, set[str]] = {}
+        for v in kept:
+            if base[v] != v and base[v] in rkey and base[v] not in kept:
+                kept_aliases.setdefault(base[v], set()).add(v)
         for v in stage:
-            self._recompute_op(k, v, rkey, re_refs)
+            saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
+                         for r in self.saved_refs[v] if stage_of[r] == k}
+            self._recompute_op(k, v, rkey, re_refs, saved_key)
 
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
-                      re_refs: dict[str, int]) -> None:
+                      re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
         mem, base, stage_of = self.mem, self.base, self.stage_of
         if v in self.kept[k]:
-            self._hand_on_kept(k, v, rkey, re_refs)
+            self._hand_on_kept(k, v, rkey, re_refs, saved_key)
             return
         bv = base[v]
         mine = rkey[v]
@@ -599,7 +609,7 @@ class StepSimulation:
                     mem.hold(mine)
                     self.held[saver].append(mine)
         self._save_for_backward(
-            v, [rkey[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
+            v, [saved_key[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
             bu = base[u]
@@ -611,7 +621,7 @@ class StepSimulation:
         self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
 
     def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
-                      re_refs: dict[str, int]) -> None:
+                      re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
         """A kept boundary op does not run again: its kept outputs become the recomputed
         stage's (held by its readers in the stage and by what its own backward saves), and
         the checkpoint's own reference goes."""
@@ -624,7 +634,7 @@ class StepSimulation:
         for held in extra:
             self.held[v].append(held)
         for r in self.saved_refs[v]:
-            ref = rkey[r] if self.stage_of[r] == k else self._val(r)
+            ref = saved_key[r] if self.stage_of[r] == k else self._val(r)
             mem.hold(ref)
             self.held[v].append(ref)
         for u in self.pred[v]:

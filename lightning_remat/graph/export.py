@@ -1,0 +1,166 @@
+"""Capture a forward torch.fx cannot trace with ``torch.export`` (docs/design.md section 2).
+
+``torch.fx.symbolic_trace`` gives up on forwards that take ``*args``/``**kwargs``, branch on
+their arguments or call code fx cannot proxy (the Hugging Face transformers models). Those
+reach :func:`export_graph_module`, which runs ``torch.export.export(..., strict=False)``: the
+forward runs as Python on fake tensors, its control flow resolved for the example's shapes
+and arguments (the shapes become guards; the planner keys plans by input shape and captures
+each new shape again), and its ATen ops are recorded in training IR (ops are not decomposed
+further; dropout stays one op; in-place updates of buffers stay in-place ops).
+
+The exported program lifts parameters, buffers and tensor constants to inputs. The graph
+this module returns reads them back as ``get_attr`` nodes with the module's own qualified
+names (from the program's graph signature), so a parameter in the graph is the module's own
+Parameter object, as in an fx trace, and the executor reaches it through the module's
+children. Its placeholders are the call's top-level arguments, named after the forward's
+parameters: a tensor argument is used as it is, one holding tensors in a tuple, list or
+dict is read with ``getitem`` nodes, and a non-tensor argument (a flag, ``None``) is an
+unused placeholder, its value specialised in the graph. The output is the flat tuple of the
+forward's output leaves; :class:`StructuredOutput` (the graph's code generator) rebuilds the
+forward's own structure (a ``ModelOutput``, a dict) where the graph is interpreted, and
+:attr:`ExportedGraph.output_spec` is what the executor rebuilds it with.
+
+The graph is specialised to the module's mode when captured (training: dropout draws);
+outside training the module's own forward runs instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["ExportedGraph", "StructuredOutput", "export_graph_module"]
+
+
+class StructuredOutput(fx.graph.CodeGen):
+    """fx's default code generator, whose interpreted output (``fx.Interpreter.run``: the
+    tracer's checks, the profiler) is the forward's own output structure rebuilt from the
+    graph's flat tuple of leaves with ``out_spec``."""
+
+    def __init__(self, out_spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.out_spec = out_spec
+
+    def process_outputs(self, outputs: Any) -> Any:
+        return pytree.tree_unflatten(list(outputs), self.out_spec)
+
+
+@dataclass
+class ExportedGraph:
+    """What :func:`export_graph_module` captured."""
+
+    gm: fx.GraphModule
+    """The forward's ATen graph: parameters and buffers as ``get_attr`` of the module's own
+    names, one placeholder per top-level argument of the call, the flat output leaves."""
+    argument_names: list[str]
+    """The placeholders' names, in the order of the call's positional then keyword arguments."""
+    output_spec: pytree.TreeSpec
+    """The forward's output structure over the graph's output leaves."""
+
+
+def _argument_names(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The forward's parameter name of each positional input (``args_k`` past its named
+    ones), then the keyword inputs' names."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    named = [p.name for p in parameters
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    names = [named[k] if k < len(named) else f"args_{k}" for k in range(len(inputs))]
+    return names + list(kwargs)
+
+
+def _read_leaf(graph: fx.Graph, argument: fx.Node, path: tuple[Any, ...]) -> fx.Node:
+    """``getitem`` nodes reading the leaf at key ``path`` inside ``argument``."""
+    node = argument
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            node = graph.call_function(operator.getitem, (node, key.idx))
+        elif isinstance(key, pytree.MappingKey):
+            node = graph.call_function(operator.getitem, (node, key.key))
+        else:
+            raise NotImplementedError(
+                f"an input holds tensors in a {type(key).__name__} structure; only tuples, "
+                "lists and dicts of tensors are captured")
+    return node
+
+
+def _plain_meta(node: fx.Node) -> dict[str, Any]:
+    """The node meta worth keeping: which module each op ran in (strings only; the fake
+    tensors export keeps would not pickle with a plan's stages)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return {}
+    entries = {key: (str(path), str(kind)) for key, (path, kind) in stack.items()}
+    return {"nn_module_stack": entries}
+
+
+def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedGraph:
+    """``module``'s forward on ``(inputs, kwargs)`` captured with non-strict ``torch.export``
+    and turned into a GraphModule over ``module``'s own parameters and buffers (see the
+    module docstring). Raises what ``torch.export`` raises when it cannot capture the
+    forward, and ``NotImplementedError`` for a program this form cannot hold (custom
+    objects, effect tokens, outputs that mutate inputs)."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    program = torch.export.export(module, inputs, kwargs, strict=False)
+    signature = program.graph_signature
+    call_signature = program.module_call_graph[0].signature
+    assert call_signature is not None
+    out_spec = call_signature.out_spec
+    unsupported = [o.kind.name for o in signature.output_specs if o.kind != OutputKind.USER_OUTPUT]
+    if unsupported:
+        raise NotImplementedError(f"the exported forward has {', '.join(sorted(set(unsupported)))} outputs")
+
+    graph = fx.Graph()
+    names = _argument_names(module, inputs, kwargs)
+    arguments = {name: graph.placeholder(name) for name in names}
+    # The user inputs' placeholders are the leaves of (inputs, kwargs), in pytree order.
+    leaves = pytree.tree_flatten_with_path((tuple(inputs), dict(kwargs)))[0]
+    leaf_nodes: list[fx.Node] = []
+    for path, _ in leaves:
+        top = names[path[1].idx] if path[0].idx == 0 else path[1].key
+        leaf_nodes.append(arguments[top] if len(path) == 2 else _read_leaf(graph, arguments[top], path[2:]))
+
+    holder = nn.Module()
+    holder._modules = dict(module._modules)  # the module's own children: their attributes
+    holder._parameters = dict(module._parameters)
+    holder._buffers = dict(module._buffers)
+    env: dict[fx.Node, fx.Node] = {}
+    user_inputs = iter(leaf_nodes)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(signature.input_specs):
+        raise NotImplementedError("the exported program's inputs do not match its signature")
+    for node, spec in zip(placeholders, signature.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            env[node] = next(user_inputs)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            env[node] = graph.get_attr(str(spec.target))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            name = f"_remat_constant_{len(holder._buffers)}"
+            holder.register_buffer(name, program.constants[str(spec.target)], persistent=False)
+            env[node] = graph.get_attr(name)
+        else:
+            raise NotImplementedError(f"the exported forward takes a {spec.kind.name} input")
+    if next(user_inputs, None) is not None:
+        raise NotImplementedError("the exported program's user inputs do not match the call's")
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(tuple(fx.node.map_arg(node.args[0], env.__getitem__)))
+            break
+        copied = graph.node_copy(node, env.__getitem__)
+        copied.meta = _plain_meta(node)
+        env[node] = copied
+    graph.set_codegen(StructuredOutput(out_spec))
+    gm = fx.GraphModule(holder, graph, type(module).__name__)
+    return ExportedGraph(gm=gm, argument_names=names, output_spec=out_spec)

@@ -1,0 +1,157 @@
+"""Hugging Face transformers models, random-initialised from tiny configs (no download):
+torch.fx cannot trace their forwards (``*args``/``**kwargs``, branches on arguments), so
+``remat`` captures them with non-strict ``torch.export`` and plans over their ATen ops.
+
+Each model is planned once (a module-scoped cache; planning profiles it) at 50% of its plain
+peak. Dropout probabilities are 0: the step is compared bit for bit with a plain copy, and a
+zero probability keeps that comparison about recomputation. Qwen2 and T5 use the "eager"
+attention: under ``torch.export`` transformers' "sdpa" attention passes the causal mask it
+skips when not exporting, a difference in the last bits of the plain model's own output
+that would hide what these tests check.
+
+CPU reductions run on one thread here: a multi-threaded reduction splits its work by the
+threads the OS gives it, which on a loaded machine changes from call to call, so an op run
+again could differ from its forward in the last bit whatever the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remat import remat
+from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.meter import peak_bytes
+from lightning_remat.planner import plain_peak_bytes
+from lightning_remat.solvers import SOLVERS, min_budget, solve
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # export, profile and solve: tens of seconds per model on a busy CPU
+
+VOCAB = 128
+
+
+def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
+
+
+def qwen2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, use_cache=False,
+        attention_dropout=0.0, attn_implementation="eager")
+    return transformers.Qwen2ForCausalLM(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
+
+
+def t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=3, num_decoder_layers=3,
+        num_heads=2, dropout_rate=0.0, use_cache=False, attn_implementation="eager")
+    return transformers.T5ForConditionalGeneration(config), {
+        "input_ids": torch.randint(0, VOCAB, (16, 32)),
+        "decoder_input_ids": torch.randint(0, VOCAB, (16, 32)),
+    }
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
+    "gpt2": gpt2, "qwen2": qwen2, "t5": t5,
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def planned() -> dict[str, Any]:
+    """Per model name: (model, a plain copy made before planning, the call, remat's module)."""
+    cache: dict[str, Any] = {}
+    return cache
+
+
+def _planned(cache: dict[str, Any], name: str) -> tuple[nn.Module, nn.Module, dict[str, torch.Tensor], nn.Module]:
+    if name not in cache:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(0)
+            model, call = MODELS[name]()
+            model.train()
+            plain = copy.deepcopy(model)
+            cache[name] = (model, plain, call, remat(model, call, "50%"))
+        finally:
+            torch.set_num_threads(threads)
+    return cache[name]
+
+
+def _step(module: nn.Module, owner: nn.Module, call: dict[str, torch.Tensor]) -> None:
+    owner.zero_grad(set_to_none=True)  # the gradients are allocated in the step
+    module(**call).logits.sum().backward()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_transformers_model_is_captured_by_export_and_planned_at_half_its_plain_peak(
+        name: str, planned: dict[str, Any]) -> None:
+    model, plain, call, remat_model = _planned(planned, name)
+    note = remat_model.plan.notes[0]
+    match = re.match(r"capture: torch\.export \(non-strict\), (\d+) vertices", note)
+    assert match is not None, note
+    # One vertex per ATen op: more than ten per layer, not the fallback's two.
+    assert int(match.group(1)) == len(remat_model.graph) > 100
+    assert remat_model.plan.count("recompute") > 0
+    assert remat_model.budget_bytes <= 0.5 * plain_peak_bytes(remat_model.graph) + 1
+
+    for _ in range(2):  # warm-up
+        _step(remat_model, model, call)
+    measured = peak_bytes(lambda: _step(remat_model, model, call))
+    assert measured <= remat_model.budget_bytes
+
+    _step(plain, plain, call)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    for (key, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), key
+    for (key, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(b, c), key
+    out = remat_model(**call)  # the model's own output type, as the plain model returns
+    assert type(out) is type(plain(**call))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_solver_crashes_on_a_captured_transformers_graph(name: str, planned: dict[str, Any]) -> None:
+    """Every solver, from its smallest budget to the plain peak: a plan, or
+    RematInfeasibleError. The exact DPs refuse a graph with more lower sets than their
+    limit, naming the approximate ones (a ValueError that says what to do)."""
+    graph = _planned(planned, name)[3].graph
+    plain = plain_peak_bytes(graph)
+    for solver, entry in SOLVERS.items():
+        if entry.offloads:
+            continue  # the CPU offloads nothing (the planner refuses them there)
+        try:
+            lowest = min_budget(graph, solver)
+        except ValueError as refused:
+            assert solver.startswith("kusumoto-exact") and "lower sets" in str(refused), (solver, refused)
+            continue
+        except RematInfeasibleError:
+            continue
+        for budget in sorted({lowest, (lowest + plain) // 2, plain}):
+            try:
+                plan = solve(graph, budget, solver)
+            except RematInfeasibleError:
+                continue
+            assert plan.stages, solver
