@@ -5,16 +5,19 @@
 outside Lightning, ``lightning_remat.remat(module, example_input, memory_budget)`` is the
 one call.
 
-Importing the package imports ``pytorch_lightning`` to register the strategies in its
-``StrategyRegistry`` (the only place ``Trainer(strategy=...)`` looks a name up), so it works
-whichever of the two is imported first; the other public names below are imported on first
-use (PEP 562).
+The strategies are registered in the ``StrategyRegistry`` of ``pytorch_lightning`` and of the
+unified ``lightning`` package (``lightning.pytorch``), whichever is imported first
+(:mod:`lightning_remat.registration`); importing this package imports neither. The public
+names below are imported on first use (PEP 562): they are ``pytorch_lightning`` classes;
+:mod:`lightning_remat.unified` holds the same classes for ``lightning.pytorch``.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from lightning_remat import registration as _registration
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr__
     from lightning_remat.budget import format_bytes, parse_budget
@@ -67,8 +70,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
-# Registers "remat", "remat_ddp" and "remat_fsdp" in pytorch_lightning's StrategyRegistry.
-# Lightning reads strategy names from that registry only (it has no entry point for
-# strategies), so the registration happens here, on import, whatever was imported first.
-importlib.import_module("lightning_remat.lightning.strategy")
-importlib.import_module("lightning_remat.lightning.fsdp")
+# "remat", "remat_ddp" and "remat_fsdp" in the StrategyRegistry of pytorch_lightning and of
+# lightning.pytorch: now for a package already imported, else as soon as it is (Lightning
+# reads strategy names from its registry only; it has no entry point for strategies).
+_registration.register_when_imported()

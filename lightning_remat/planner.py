@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_remat.budget import format_bytes, parse_budget, validate_budget
 from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change
@@ -444,6 +445,10 @@ class Planner:
 
     # ---- planning one input ---------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:
+        # Tracing and profiling run the module's backward, several times: from inputs cut
+        # off the caller's graph (a head fed by an encoder), which they must not reach.
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs))
         module, settings = self.module, self.settings
         device = module_device(module, args)
         options = solver_options(settings.solver, device, settings.offload)

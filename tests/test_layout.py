@@ -42,11 +42,15 @@ FLOW: list[tuple[str, ...]] = [
     ("planner",),
     ("tuning",),
     ("report",),
+    ("registration",),
     ("lightning.memory_timeline", "lightning.synthetic"),
     ("lightning.strategy",),
     ("lightning.fsdp",),
     ("lightning.trial",),
     ("lightning.batch_size",),
+    ("unified",),  # the same modules for lightning.pytorch: each runs its twin's source
+    ("unified.memory_timeline", "unified.synthetic", "unified.strategy", "unified.fsdp",
+     "unified.trial", "unified.batch_size"),
     ("callbacks",),
     ("cli",),
     ("",),  # lightning_remat/__init__.py: the public API
@@ -57,7 +61,7 @@ EMPTY_PACKAGES = ("graph", "runtime", "lightning")
 """Package ``__init__`` files that only name their folder (they import nothing)."""
 
 LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "graph", "solvers", "runtime",
-                  "cache", "messages", "planner", "tuning", "report")
+                  "cache", "messages", "planner", "tuning", "report", "registration")
 """Modules that must work without Lightning (the solvers are algorithms over the graph IR)."""
 
 LONG = 500

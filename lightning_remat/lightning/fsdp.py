@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy, StrategyRegistry
+from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -95,6 +95,7 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
     """
 
     strategy_name = "remat_fsdp"
+    plans_what_the_step_runs = False  # the outermost sharded unit: see target_module
 
     def __init__(
         self,
@@ -161,17 +162,3 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
             self._plan_hook = None
         super()._uninstall()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-def register() -> None:
-    """Register ``"remat_fsdp"`` (again, replacing an earlier entry)."""
-    if RematFSDPStrategy.strategy_name in StrategyRegistry:
-        StrategyRegistry.remove(RematFSDPStrategy.strategy_name)
-    RematFSDPStrategy.register_strategies(StrategyRegistry)
-
-
-register()

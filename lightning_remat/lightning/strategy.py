@@ -1,17 +1,20 @@
 """``Trainer(strategy="remat")``: plan at the first training step, apply, keep training.
 
-The strategy routes the calls of its target (the LightningModule by default, or a named
-submodule) through its planner (:func:`forward_routed`). The first training-mode call with a
-new input profiles the target on the real device (its parameters, gradients and buffers
+The strategy plans what ``training_step`` runs: each outermost module whose forward the first
+training step calls in training mode with grad (``self(x)`` plans the LightningModule,
+``self.model(x)`` the submodule, an encoder and a head called in turn each of them), or the
+submodule named by ``target``; a first step that runs none of them warns. It routes each
+planned module's calls through its planner (:func:`forward_routed`). The first training-mode
+call with a new input profiles the module on the real device (its parameters, gradients and buffers
 restored afterwards), solves for the budget, applies the plan and then runs that very call
 through it, so no batch is lost and no optimizer step is taken twice. Evaluation and
 ``no_grad`` calls run the original forward. Plans are cached in SQLite and stored in
 Lightning checkpoints, so a restart or a resume skips profiling. All of it is :class:`~lightning_remat.planner.Planner`'s work; the strategy
 adds Lightning's hooks, rank-zero logging and, under DDP, the ranks' agreement on new inputs.
 
-The classes are ``pytorch_lightning`` strategies (the package this project depends on);
-importing this module (``import lightning_remat`` does) registers ``"remat"`` and
-``"remat_ddp"`` in its ``StrategyRegistry``.
+The classes are ``pytorch_lightning`` strategies; :mod:`lightning_remat.unified` runs this
+source for ``lightning.pytorch``, and :mod:`lightning_remat.registration` registers
+``"remat"`` and ``"remat_ddp"`` in both packages' ``StrategyRegistry``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
@@ -107,9 +110,14 @@ class RematHooks:
     remat_settings: PlanSettings
     """What decides a plan: budget, solver, profiling, offloading."""
     target: str | None
-    """The submodule planned (None: the LightningModule's forward)."""
+    """The submodule planned (None: the modules the first training step runs)."""
     cache_dir: str | os.PathLike | None
-    planner: Planner | None
+    planners: dict[str, Planner]
+    """The planner of each planned module, by its name in the LightningModule (``""``: the
+    LightningModule itself), in the order the training step first ran them."""
+    plans_what_the_step_runs: bool = True
+    """Without ``target``, plan the modules the first training step runs (a strategy that
+    plans one module of its own choosing sets False and overrides :meth:`target_module`)."""
 
     def _remat_init(
         self,
@@ -129,12 +137,22 @@ class RematHooks:
             raise ValueError(f"{type(self).__name__}(target={target!r}) must be a submodule name such as 'backbone'")
         self.target = target
         self.cache_dir = cache_dir
-        self.planner = None
+        self.planners = {}
+        self._planned_modules: dict[str, torch.nn.Module] = {}
         self._target_module: torch.nn.Module | None = None
         self._route = contextlib.ExitStack()
-        self._restored: dict[str, StoredPlan] = {}
+        self._planner_options: dict[str, Any] = {}
+        self._detecting = False
+        self._ran_unplanned: dict[str, str] = {}
+        self._depth = 0
+        self._restored: dict[str | None, dict[str, StoredPlan]] = {}
         self._in_training_step = False
         self._planning_paused = False
+
+    @property
+    def planner(self) -> Planner | None:
+        """The planner of the planned module (with several, of the first the step ran)."""
+        return next(iter(self.planners.values()), None)
 
     @property
     def memory_budget(self) -> int | float | str | None:
@@ -146,8 +164,11 @@ class RematHooks:
 
     @property
     def plans(self) -> dict[tuple, Plan]:
-        """The plan in use for each input seen so far."""
-        return {} if self.planner is None else {k: e.plan for k, e in self.planner.planned.items()}
+        """The plan in use for each input seen so far; keyed by input when one module is
+        planned, by ``(module name, input)`` when several are."""
+        several = len(self.planners) > 1
+        return {((name, key) if several else key): entry.plan
+                for name, planner in self.planners.items() for key, entry in planner.planned.items()}
 
     # ---- Lightning hooks ----------------------------------------------------------------------
     @override
@@ -167,7 +188,7 @@ class RematHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = {"plans": self._checkpoint_state()}
+        checkpoint[CHECKPOINT_KEY] = self._checkpoint_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     @override
@@ -178,8 +199,7 @@ class RematHooks:
 
     # ---- installing the wrapper --------------------------------------------------------
     def target_module(self, lightning_module: pl.LightningModule) -> torch.nn.Module:
-        """The module whose forward is planned: the submodule named by ``target``, else the
-        LightningModule."""
+        """The submodule named by ``target``, else the LightningModule."""
         if not self.target:
             return lightning_module
         try:
@@ -192,35 +212,99 @@ class RematHooks:
             ) from None
 
     def _install(self, trainer: pl.Trainer) -> None:
-        module = self.target_module(self.lightning_module)  # type: ignore[attr-defined]
         cache_dir = self.cache_dir
         if cache_dir is None:
             cache_dir = default_cache_dir(trainer.default_root_dir)
         world_size = getattr(self, "world_size", 1)
-        self.planner = Planner(
-            module, self.remat_settings, cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
-            restored=self._restored, ranks=DistributedRanks() if world_size > 1 else None,
-            on_plan=self._on_plan, keep_example=self._add_dashboards(trainer),
-            progress=progress_lines(trainer), free_memory=functools.partial(_free_memory, trainer),
+        self._planner_options = dict(
+            cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
+            ranks=DistributedRanks() if world_size > 1 else None, on_plan=self._on_plan,
+            keep_example=self._add_dashboards(trainer), progress=progress_lines(trainer),
+            free_memory=functools.partial(_free_memory, trainer),
         )
+        lightning_module = self.lightning_module  # type: ignore[attr-defined]
+        if self.target or not self.plans_what_the_step_runs:
+            module = self.target_module(lightning_module)
+            name = next((n for n, m in lightning_module.named_modules() if m is module), self.target or "")
+            self._add_planner(name, module)
+            self._route.enter_context(forward_routed(module, self._planned_route(name, module)))
+            self._target_module = module
+            return
+        # Which modules the training step runs shows only when it runs: until the first
+        # step ends, every module's calls pass through a route that plans the outermost
+        # ones (the first call of each goes to its planner, so no batch runs unplanned).
+        self._detecting = True
+        for name, module in lightning_module.named_modules():
+            self._route.enter_context(forward_routed(module, self._detecting_route(name, module)))
+
+    def _add_planner(self, name: str, module: torch.nn.Module) -> Planner:
+        restored = self._restored.setdefault(name, {})
+        if not self.planners and None in self._restored:  # a checkpoint from before names
+            restored.update(self._restored.pop(None))  # type: ignore[call-overload]
+        planner = Planner(module, self.remat_settings, restored=restored, **self._planner_options)
+        self.planners[name] = planner
+        self._planned_modules[name] = module
+        return planner
+
+    def _planned_route(self, name: str, module: torch.nn.Module) -> Callable[..., Any]:
         original_forward = module.forward
 
         def route(*args: Any, **kwargs: Any) -> Any:
-            if self.plans_call(module):
-                assert self.planner is not None
-                return self.planner(*args, **kwargs)
-            return original_forward(*args, **kwargs)
+            planner = self.planners[name]
+            run = planner if self._depth == 0 and self.plans_call(module) else original_forward
+            self._depth += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
-        self._route.enter_context(forward_routed(module, route))
-        self._target_module = module
+        return route
+
+    def _detecting_route(self, name: str, module: torch.nn.Module) -> Callable[..., Any]:
+        original_forward = module.forward
+
+        def route(*args: Any, **kwargs: Any) -> Any:
+            run = original_forward
+            if self._detecting and self._depth == 0 and self._in_training_step and not self._planning_paused:
+                if module.training and torch.is_grad_enabled():  # an outermost module of the step
+                    planner = self.planners.get(name) or self._add_planner(name, module)
+                    if self.plans_call(module):
+                        run = planner
+                else:
+                    label = name or "the LightningModule"
+                    self._ran_unplanned[label] = "in eval mode" if not module.training else "without grad"
+            self._depth += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return route
+
+    def _end_detection(self) -> None:
+        """After the first training step: keep the routes of the modules it ran, or warn
+        that it ran none the strategy could plan."""
+        self._detecting = False
+        self._route.close()
+        for name, module in self._planned_modules.items():
+            self._route.enter_context(forward_routed(module, self._planned_route(name, module)))
+        if not self.planners:
+            ran = "; ".join(f"{n} ({why})" for n, why in self._ran_unplanned.items()) or (
+                "no module's forward, the LightningModule's or a submodule's")
+            rank_zero_warn(
+                "lightning-remat: the first training_step ran nothing the strategy can plan (it "
+                f"plans a module whose forward the step calls in training mode with grad; it ran: {ran}), "
+                "so nothing is planned. Call self(x) or a submodule in training_step, or name "
+                "the module with target=")
 
     def plans_call(self, module: torch.nn.Module) -> bool:
-        """Whether a call of the planned ``module`` now goes to the planner: a training-mode,
-        grad-enabled call inside the strategy's ``training_step``, while the planner is not
-        itself running the module and planning is not paused (:meth:`planning_paused`)."""
-        planner = self.planner
-        return (planner is not None and not planner.busy and self._in_training_step
-                and not self._planning_paused and module.training and torch.is_grad_enabled())
+        """Whether a call of the planned ``module`` now goes to its planner: a training-mode,
+        grad-enabled call inside the strategy's ``training_step``, while no planner is itself
+        running a module and planning is not paused (:meth:`planning_paused`)."""
+        planner = next((self.planners[n] for n, m in self._planned_modules.items() if m is module), None)
+        return (planner is not None and not any(p.busy for p in self.planners.values())
+                and self._in_training_step and not self._planning_paused and module.training
+                and torch.is_grad_enabled())
 
     @contextlib.contextmanager
     def planning_paused(self) -> Iterator[None]:
@@ -244,11 +328,14 @@ class RematHooks:
         return True
 
     def _uninstall(self) -> None:
+        self._detecting = False
         self._route.close()
         self._target_module = None
 
     def _on_plan(self, entry: Planned) -> None:
-        title = "lightning-remat plan" + (" (from cache)" if entry.from_cache else "")
+        name = next((n for n, p in self.planners.items() if entry.module is p.remat_module), None)
+        title = "lightning-remat plan" + (f" of {name or 'the LightningModule'}" if name is not None else "")
+        title += " (from cache)" if entry.from_cache else ""
         rank_zero_info(format_plan(entry.graph, entry.plan, budget_bytes=entry.budget_bytes,
                                    title=title, shapes=shapes_of(entry.key)))
 
@@ -259,27 +346,43 @@ class RematHooks:
             yield
         finally:
             self._in_training_step = False
+            if self._detecting and not self._planning_paused:  # the batch-size search's steps do not count
+                self._end_detection()
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def _checkpoint_state(self) -> dict[str, dict[str, Any]]:
-        """Each plan with what decided it; plans restored and not replaced in this run are
-        kept, so a resume that has not yet seen an input loses nothing."""
-        state = {key: stored.to_dict() for key, stored in self._restored.items()}
-        if self.planner is not None:
-            for key, entry in self.planner.planned.items():
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """Each planned module's plans with what decided them; plans restored and not
+        replaced in this run are kept, so a resume that has not yet seen an input loses
+        nothing. ``"plans"`` holds the first module's (as before modules were named)."""
+        modules: dict[str, dict[str, dict[str, Any]]] = {}
+        for name, restored in self._restored.items():
+            if name is not None:
+                modules[name] = {key: stored.to_dict() for key, stored in restored.items()}
+        for name, planner in self.planners.items():
+            state = modules.setdefault(name, {})
+            for key, entry in planner.planned.items():
                 state[repr(key)] = StoredPlan(entry.graph.to_json(), entry.plan.to_json(), entry.basis).to_dict()
-        return state
+        first = next(iter(self.planners), next(iter(modules), None))
+        if first is None and None in self._restored:  # restored from before names, not yet used
+            legacy = {key: stored.to_dict() for key, stored in self._restored[None].items()}  # type: ignore[index]
+            return {"plans": legacy}
+        return {"plans": modules.get(first, {}) if first is not None else {}, "modules": modules}
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get(CHECKPOINT_KEY) or {}
-        restored = {}
-        for key, value in (state.get("plans") or {}).items():
-            try:
-                restored[key] = StoredPlan.from_stored(value)
-            except (ValueError, KeyError, TypeError):
-                continue  # a damaged plan is re-made, never trusted
+        by_module = state.get("modules")
+        stored_by_module = by_module if isinstance(by_module, dict) else {None: state.get("plans") or {}}
         self._restored.clear()
-        self._restored.update(restored)
+        for name, plans in stored_by_module.items():
+            restored = self._restored.setdefault(name, {})
+            for key, value in (plans or {}).items():
+                try:
+                    restored[key] = StoredPlan.from_stored(value)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a damaged plan is re-made, never trusted
+        for name, planner in self.planners.items():  # planners made before the load
+            planner.restored.clear()
+            planner.restored.update(self._restored.get(name, {}))
 
 
 class RematStrategy(RematHooks, SingleDeviceStrategy):
@@ -292,7 +395,9 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
         solver: a name from ``lightning_remat.solvers.SOLVERS`` (``"auto"`` tries the
             time-centric DP, then the memory-centric DP, then offloading).
         profile_steps: measured repeats when profiling.
-        target: the submodule to rematerialize (default: the LightningModule's forward).
+        target: the submodule to rematerialize (default: the modules whose forward the first
+            training step runs, outermost first: the LightningModule for ``self(x)``,
+            ``model`` for ``self.model(x)``, each of several called in turn).
         offload: allow the offloading fallback of ``solver="auto"``.
         cache_dir: where plans are cached (default: ``<default_root_dir>/lightning_remat_cache``).
         safe_profile: profile op by op so profiling fits where a plain step would not.
@@ -357,11 +462,6 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
             return self.parallel_devices[0]
         return self._root_device
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
 
 class RematDDPStrategy(RematHooks, DDPStrategy):
     """Distributed data parallel within a memory budget: the ranks agree on every new input,
@@ -384,18 +484,3 @@ class RematDDPStrategy(RematHooks, DDPStrategy):
         super().__init__(**kwargs)
         self._remat_init(memory_budget, solver, profile_steps, target, offload, cache_dir, safe_profile)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-def register() -> None:
-    """Register ``"remat"`` and ``"remat_ddp"`` (again, replacing earlier entries)."""
-    for cls in (RematStrategy, RematDDPStrategy):
-        if cls.strategy_name in StrategyRegistry:
-            StrategyRegistry.remove(cls.strategy_name)
-        cls.register_strategies(StrategyRegistry)
-
-
-register()

@@ -1,0 +1,5 @@
+"""``lightning.pytorch``'s :mod:`lightning_remat.lightning.fsdp` (see :mod:`lightning_remat.unified`)."""
+
+from lightning_remat.unified import exec_twin
+
+exec_twin(globals())
