@@ -1,5 +1,5 @@
 """What a forward changes besides its outputs: buffers, module attributes, hooks
-(docs/design.md section 2, "Side effects").
+(docs/design.md section 5, "Side effects").
 
 Plain training runs each module's forward once per step, so a step counter ``self.n += 1``,
 ``self.steps.add_(1)`` or a token count ``self.seen += x.shape[0]`` advances once per step,
