@@ -95,8 +95,14 @@ def free_device_memory(device: torch.device | None = None) -> None:
 
 @contextlib.contextmanager
 def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Restore buffers (BatchNorm running statistics), training flags and the RNG state on
-    exit, so that measuring runs do not change what training would do next."""
+    """Restore buffers (BatchNorm running statistics, the objects a forward rebinds them
+    to), the module's own public attributes (a counter ``self.calls += 1``), training flags
+    and the RNG state on exit, so that measuring runs do not change what training would do
+    next."""
+    from lightning_remat.graph.effects import ModuleState
+    from lightning_remat.graph.trace import is_sharded_unit
+
+    state = ModuleState(module, values=False, skip=is_sharded_unit, private=False)
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     modes = [(m, m.training) for m in module.modules()]
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
@@ -104,6 +110,7 @@ def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> 
         try:
             yield
         finally:
+            state.restore()
             with torch.no_grad():
                 for buf, saved in buffers:
                     buf.copy_(saved)

@@ -38,6 +38,11 @@ class TraceError(RematError):
     """Neither torch.fx nor checkpointing its submodules in place can describe the module."""
 
 
+class SideEffectError(TraceError):
+    """The forward changes module state (a buffer, an attribute) in a way the captured
+    graph cannot repeat once per step; the message names the module and the line."""
+
+
 _FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
 """Packages whose frames lie between the user's code and this one (a module's ``__call__``,
 Lightning's loops): a warning meant for the user skips them too."""

@@ -660,4 +660,5 @@ def remat(
                       progress=(lambda line: print(f"lightning-remat: {line}", file=sys.stderr, flush=True)) if progress else None)
     planner.last = planner.planned_for(inputs, kwargs)
     planner.remat_module.set_current(planner.last.variant)
+    planner.remat_module.fire_hooks_of(module)
     return planner.remat_module

@@ -273,7 +273,8 @@ def test_batchnorm_statistics_updated_once(checkpoint_counter: CountingCheckpoin
     torch.manual_seed(0)
     model, plain = twins(ResidualCNN())
     bn_runs = []
-    model.bn1.register_forward_hook(lambda *_: bn_runs.append(1))
+    # A pre-hook: recomputation fires pre-hooks again, not forward hooks (graph.effects).
+    model.bn1.register_forward_pre_hook(lambda *_: bn_runs.append(1))
     x = torch.randn(4, 3, 8, 8)
     # Each BatchNorm is followed in its recomputed stage by an op that saves its output
     # (ReLU), so recomputation must run the BatchNorm again (checkpoint stops early otherwise).

@@ -61,7 +61,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.device import preserved_state
-from lightning_remat.errors import TraceError, warn_caller
+from lightning_remat.errors import SideEffectError, TraceError, warn_caller
+from lightning_remat.graph.effects import ModuleState, state_write_target, trace_keeping_state
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.ops import draws_random, mutated_operand
@@ -164,21 +165,14 @@ def sharded_gradients_kept(module: nn.Module) -> Iterator[None]:
             p.grad = grad
 
 
-class _ShardedUnitTracer(fx.Tracer):
-    """fx's default leaf policy, plus: every FSDP unit below the root is a leaf (see the
-    module docstring)."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return is_sharded_unit(m) or super().is_leaf_module(m, module_qualified_name)
-
-
 def _symbolic_trace(module: nn.Module, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
-    """``fx.symbolic_trace``, with FSDP units as leaves when the module holds any."""
+    """``fx.symbolic_trace`` keeping the forward's updates of buffers in the graph and the
+    module as it was (:func:`~lightning_remat.graph.effects.trace_keeping_state`), with FSDP
+    units as leaves when the module holds any."""
     if not fsdp_unit_types() or not any(is_sharded_unit(m) for m in module.modules()):
-        return fx.symbolic_trace(module, concrete_args=concrete_args)
-    tracer = _ShardedUnitTracer()
-    graph = tracer.trace(module, concrete_args=concrete_args)
-    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+        return trace_keeping_state(module, concrete_args)
+    gm = trace_keeping_state(module, concrete_args, leaf=is_sharded_unit)
+    graph = gm.graph
     # GraphModule copies each parameter it reads into a table of its own; FSDP2 swaps the
     # gathered parameter onto the owning module for each forward, so read the owner's table.
     for node in graph.nodes:
@@ -315,11 +309,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def _compare_runs(module: nn.Module, run_a: Any, run_b: Any, devices: Sequence[torch.device]) -> tuple[Any, Any]:
     """Both callables' outputs, each run from the same RNG state (so dropout draws the same
-    masks), without grad, in the module's current mode; buffers restored afterwards."""
+    masks) and the same buffers and attributes (a forward may update them), without grad, in
+    the module's current mode; buffers restored afterwards."""
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with preserved_state(module, devices), torch.no_grad():
+        state = ModuleState(module, skip=is_sharded_unit)  # both start from it (graph.effects)
         with torch.random.fork_rng(devices=cuda_devices):
             out_a = run_a()
+        state.restore()
         out_b = run_b()
     return out_a, out_b
 
@@ -394,8 +391,8 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
     nodes = list(gm.graph.nodes)
     vertex: set[str] = set()
     for n in nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
+        if n.op in ("placeholder", "get_attr", "output") or state_write_target(n, gm) is not None:
+            continue  # an update of a buffer is state, not a value (graph.effects)
         k = kind.get(n.name, "other")
         if k == "tensor":
             vertex.add(n.name)
@@ -689,15 +686,29 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
         raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
+    # Capture never changes the module: whatever its forward assigns or updates is put back.
+    state = ModuleState(module, values=False, skip=is_sharded_unit)
+    try:
+        return _trace_module(module, inputs, kwargs)
+    finally:
+        state.restore()
+
+
+def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
     devices = _devices_of(module, list(inputs) + list(kwargs.values()))
     try:
         return _trace_fx(module, inputs, kwargs, devices)
+    except SideEffectError as exc:  # the model's own forward keeps what fx cannot
+        fx_reason = str(exc)
+        effects = True
     except TraceError:
         raise
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
         fx_reason = _reason(exc)
+        effects = False
     export_reason = ""
-    if not any(is_sharded_unit(m) for m in module.modules()):  # export cannot keep FSDP's units whole
+    # Export cannot keep FSDP's units whole, and would run a Python side effect only once.
+    if not effects and not any(is_sharded_unit(m) for m in module.modules()):
         try:
             traced = _trace_export(module, inputs, kwargs, devices)
         except Exception as exc:  # export raises many kinds (user errors, guards on data, unsupported ops)
@@ -708,6 +719,10 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     try:
         traced = _trace_children(module, inputs, kwargs, devices)
     except Exception as exc:
+        if effects:
+            raise SideEffectError(
+                f"cannot capture {type(module).__name__}: {fx_reason}; and its own forward cannot "
+                f"run with its submodules checkpointed in place instead: {exc}") from None
         raise TraceError(
             f"cannot trace {type(module).__name__}: torch.fx rejected its forward ({fx_reason})"
             + (f", torch.export too ({export_reason})" if export_reason else "")

@@ -13,8 +13,10 @@ the same Parameter objects. Outside a planned forward (the original module calle
 ``eval()``, ``no_grad``) the submodules run as they are.
 
 - ``recompute``: non-reentrant ``torch.utils.checkpoint`` with the RNG state replayed
-  (``preserve_rng_state=True``) and the submodule's buffers (BatchNorm running statistics)
-  restored around the recomputation, so they are updated once per step;
+  (``preserve_rng_state=True``); the recomputation reads the submodule's buffers and
+  attributes as its forward did and leaves them as its forward did, so BatchNorm's running
+  statistics and the module's own counters are updated once per step, and it fires no
+  forward hook of the modules inside (:class:`~lightning_remat.graph.effects.OncePerStep`);
 - ``offload``: under the module's saved-tensor hooks;
 - ``keep``: plainly.
 
@@ -34,6 +36,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.graph.effects import OncePerStep
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import fits
 from lightning_remat.solvers.plan import Plan, Stage
@@ -42,25 +45,6 @@ from lightning_remat.solvers.scoring import make_plan
 __all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "per_submodule_plan"]
 
 OffloadContext = Callable[[int, Stage], contextlib.AbstractContextManager]
-
-
-class RestoreBuffers:
-    """Entered around a recomputation: puts the submodule's buffers back as they were when
-    it began (as :class:`~lightning_remat.runtime.stages.RestoreNormStatistics` does for a
-    stage), so the forward's single update of the running statistics stands."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __enter__(self) -> None:
-        self.snapshot = [(b, b.detach().clone()) for b in self.module.buffers()]
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for buffer, saved in self.snapshot:
-                buffer.copy_(saved)
-        self.snapshot = []
 
 
 class CheckpointedForward:
@@ -81,14 +65,20 @@ class CheckpointedForward:
             return self.inner(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
+    def _once_per_step(self) -> tuple[Any, Any]:
+        """The recomputation reads the buffers and attributes the forward read, fires no
+        forward hook, and leaves the state as the forward left it (BatchNorm's running
+        statistics and the module's own counters are updated once per step)."""
+        module = self.module
+        kept = OncePerStep(lambda: list(module.buffers()), lambda: list(module.modules()), attributes=True)
+        return kept.forward(), kept.recompute()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         action = self.action
         if action == "recompute" and torch.is_grad_enabled():
-            module = self.module
             return torch.utils.checkpoint.checkpoint(
                 self.own_forward, *args, use_reentrant=False, preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), RestoreBuffers(module)),
-                **kwargs,
+                context_fn=self._once_per_step, **kwargs,
             )
         if action == "offload" and torch.is_grad_enabled() and self.offload is not None:
             assert self.stage is not None

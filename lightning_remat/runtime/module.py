@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from lightning_remat.graph.effects import OncePerStep, call_with_hooks, has_forward_hooks
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
@@ -206,7 +207,22 @@ class RematModule(nn.Module):
                 raise ValueError(f"the graph reads {node.target!r}, which the module does not have")
 
     # ---- forward --------------------------------------------------------------------------
+    _remat_hooks_root: nn.Module | None = None
+
+    def fire_hooks_of(self, root: nn.Module) -> None:
+        """Fire ``root``'s own hooks (forward, pre-, backward) around each call, with ``root``
+        and this call's arguments and output, as a plain call of ``root`` would: for the
+        module :func:`lightning_remat.remat` returns, which is called in ``root``'s place
+        (the strategy calls ``root`` itself, whose ``__call__`` fires them)."""
+        object.__setattr__(self, "_remat_hooks_root", root)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        root = self._remat_hooks_root
+        if root is not None and has_forward_hooks(root):
+            return call_with_hooks(root, self._planned_forward, args, kwargs)
+        return self._planned_forward(*args, **kwargs)
+
+    def _planned_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._remat_select is not None:
             self._remat_current = self._remat_select(args, kwargs, self.training and torch.is_grad_enabled())
         return self._run(self.current, args, kwargs)
@@ -271,22 +287,51 @@ class RematModule(nn.Module):
         reading this call's ``region``, and the norm statistics restored around the
         recomputation. ``sharded``: the module holds FSDP units."""
         restores = bool(program.norm_modules or program.state_buffers)
+        once = _once_per_step(self, program)
         if region is None:
-            if not restores:
+            if not restores and once is None:
                 return torch.utils.checkpoint.noop_context_fn
-            return lambda: (contextlib.nullcontext(), RestoreNormStatistics(self, program))
+
+            def plain() -> tuple[Any, Any]:
+                forward: Any = contextlib.nullcontext()
+                recompute: Any = RestoreNormStatistics(self, program) if restores else contextlib.nullcontext()
+                if once is not None:
+                    kept = once()
+                    forward, recompute = kept.forward(), _both(kept.recompute(), recompute)
+                return forward, recompute
+
+            return plain
 
         def contexts() -> tuple[Any, Any]:
             forward, recompute = create_selective_checkpoint_contexts(functools.partial(boundary_policy, region))
             if restores:
                 # The snapshot is taken outside the recomputation mode, which would see its copies.
                 recompute = _both(RestoreNormStatistics(self, program), recompute)
+            if once is not None:  # its copies too are made outside the modes
+                kept = once()
+                forward, recompute = _both(kept.forward(), forward), _both(kept.recompute(), recompute)
             if sharded:  # FSDP's hooks: their profiler ranges kept out of the op matching
                 forward, recompute = _both(forward, _ProfilerRangesAside()), _both(recompute, _ProfilerRangesAside())
             return (_both(_UncachedAutocast(), _both(region.outside(), forward)),
                     _both(_UncachedAutocast(), _both(region.outside(), recompute)))
 
         return contexts
+
+
+def _once_per_step(owner: nn.Module, program: StageProgram) -> Callable[[], OncePerStep] | None:
+    """For a recomputed stage that updates buffers or calls modules with forward hooks: a
+    maker of the :class:`~lightning_remat.graph.effects.OncePerStep` of one call, which keeps
+    the updates and the hooks to the forward (docs/design.md section 5); else None."""
+    called = [m for name in program.called_modules for m in owner.get_submodule(name).modules()]
+    hooked = [m for m in called if m._forward_hooks]
+    if not program.written_state and not hooked:
+        return None
+    written = program.written_state
+    return lambda: OncePerStep(lambda: [_resolve_attr(owner, name) for name in written], lambda: hooked)
+
+
+def _resolve_attr(owner: nn.Module, qualified: str) -> Any:
+    return functools.reduce(getattr, qualified.split("."), owner)
 
 
 def _has_fsdp_units(module: nn.Module) -> bool:

@@ -46,6 +46,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_remat.graph.effects import state_write_target
 from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule
@@ -57,12 +58,15 @@ __all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "Stag
 # ---------------------------------------------------------------------------------------
 # stage assignment
 # ---------------------------------------------------------------------------------------
-def _assign_stages(graph: fx.Graph, plan: Plan, charge: dict[str, str] | None = None) -> dict[str, int]:
+def _assign_stages(graph: fx.Graph, plan: Plan, charge: dict[str, str] | None = None,
+                   owner: nn.Module | None = None) -> dict[str, int]:
     """Stage index of every compute node. A vertex takes its plan stage, and so does a node
     ``charge`` maps to a vertex (trace_module charges a tuple producer such as ``chunk`` to
     its first ``getitem``; the chain fallback names nodes after children). Every other node
     (sizes, asserts: no tensor of its own) runs as early as its inputs allow, so what
-    crosses a stage boundary is a small value, not the tensor it was read from. get_attr
+    crosses a stage boundary is a small value, not the tensor it was read from. An update
+    of a buffer (``graph.effects``) runs where the forward's order puts it: in the stage of
+    the node before it, so every reader of the buffer sees what it saw in the forward. get_attr
     nodes are not assigned: each stage reads them itself."""
     plan_stage = plan.stage_of()
     charge = dict(charge or {})
@@ -75,11 +79,14 @@ def _assign_stages(graph: fx.Graph, plan: Plan, charge: dict[str, str] | None = 
             "plan and module must come from the same trace"
         )
     stage: dict[str, int] = {}
+    latest = 0
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
         input_stages = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
         earliest = max(input_stages, default=0)
+        if state_write_target(node, owner) is not None:
+            earliest = max(earliest, latest)
         vertex = charge.get(node.name, node.name)
         if vertex in plan_stage:
             stage[node.name] = plan_stage[vertex]
@@ -91,6 +98,7 @@ def _assign_stages(graph: fx.Graph, plan: Plan, charge: dict[str, str] | None = 
                 )
         else:
             stage[node.name] = earliest
+        latest = max(latest, stage[node.name]) if vertex in plan_stage else latest
     return stage
 
 
@@ -214,6 +222,13 @@ class StageProgram:
     update a second time."""
     state_buffers: list[str] = field(default_factory=list)
     """Qualified names of buffers functional norms in the stage update."""
+    written_state: list[str] = field(default_factory=list)
+    """Qualified names of the buffers the forward updates (``self.n += 1``;
+    ``graph.effects``) that the stage reads or writes: a recomputation reads them as the
+    stage's forward did and leaves them as the whole forward did."""
+    called_modules: list[str] = field(default_factory=list)
+    """Qualified names of the modules the stage calls, whose forward hooks fire in its
+    forward only (``graph.effects.OncePerStep``)."""
     drop_after: list[str] = field(default_factory=list)
     """Environment values no later stage reads: released after this stage."""
     kept_boundary: list[str] = field(default_factory=list)
@@ -264,6 +279,7 @@ def _build_programs(
                 if arg.op != "get_attr" and value_stage(arg) != k:
                     last_reader[arg.name] = max(last_reader.get(arg.name, -1), k)
     output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"}
+    state_targets = {t for t in (state_write_target(n, owner) for n in graph.nodes) if t is not None}
 
     programs: list[StageProgram] = []
     for k, stage_nodes in enumerate(members):
@@ -272,6 +288,8 @@ def _build_programs(
         inputs: list[str] = []
         norm_modules: list[str] = []
         state_buffers: list[str] = []
+        written: list[str] = []
+        called: list[str] = []
 
         def lookup(arg: fx.Node, stage_graph: fx.Graph = stage_graph, env: dict = env,
                    inputs: list = inputs) -> fx.Node:
@@ -301,7 +319,10 @@ def _build_programs(
             env[node.name] = stage_graph.node_copy(node, lookup)
             if node.name in kept:
                 stage_graph.call_method("end", (region,))
+            written.extend(str(a.target) for a in node.all_input_nodes
+                           if a.op == "get_attr" and str(a.target) in state_targets)
             if node.op == "call_module":
+                called.append(str(node.target))
                 module = owner.get_submodule(str(node.target))
                 for sub_name, sub in module.named_modules(prefix=str(node.target)):
                     if isinstance(sub, _NormBase) and sub.track_running_stats:
@@ -323,6 +344,7 @@ def _build_programs(
             index=k, action=schedule.stages[k].action, input_names=inputs, output_names=outputs,
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
+            written_state=sorted(set(written)), called_modules=sorted(set(called)),
             kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
         ))
     output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
@@ -459,7 +481,7 @@ def compile_stages(
         raise ValueError("the plan has no stages")
     if len(schedule.stages) != len(plan.stages):
         raise ValueError(f"the schedule has {len(schedule.stages)} stages, the plan {len(plan.stages)}")
-    stage = _assign_stages(graph, plan, charge)
+    stage = _assign_stages(graph, plan, charge, owner)
     graph = _copy_graph(graph)
     rewritten: list[str] = []
     if schedule.rewritten:
