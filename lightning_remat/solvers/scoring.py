@@ -76,15 +76,17 @@ def model_margin(graph: Graph) -> int:
     block for each storage that can be live at once (each vertex's value, its saved state
     and its gradient, and each parameter gradient); on other devices
     ``SMALL_TENSOR_BYTES`` per vertex. A graph no profile measured (no ``meta.device``)
-    is its own exact model: no margin."""
+    is its own exact model: no margin. Plus what a real step under a plan of the graph
+    measured above its prediction (``meta.measured_excess_bytes``)."""
+    measured_excess = int(graph.meta.measured_excess_bytes or 0)
     if graph.meta.device is None:
-        return 0
+        return measured_excess
     device = str(graph.meta.device)
     n = len(graph)
     if device.startswith("cuda"):
         params = sum(1 for b in (graph.meta.param_bytes or {}).values() if b)
-        return CUDA_BLOCK_BYTES * (3 * n + params)
-    return SMALL_TENSOR_BYTES * n
+        return CUDA_BLOCK_BYTES * (3 * n + params) + measured_excess
+    return SMALL_TENSOR_BYTES * n + measured_excess
 
 
 def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
