@@ -367,9 +367,9 @@ class Planner:
             self._loss_fn_left_out = False  # one warning
             warn_caller(
                 "lightning_remat: this module was loaded from a pickle, which does not keep the "
-                "loss_fn it was planned with; planning its new inputs for the loop people write (the "
-                "outputs held to the step's end, a cross-entropy over them), whose memory may differ "
-                "from your loss's. To count your "
+                "loss_fn it was planned with; planning its new inputs with the default loss (the loop "
+                "people write: the outputs held to the step's end, a cross-entropy over them), whose "
+                "memory may differ from your loss's. To count your "
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
