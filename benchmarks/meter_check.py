@@ -7,18 +7,25 @@ step, then the peak of one step at the edge, then the meter's reading of the sam
 torch.profiler's memory events) and, for comparison, ``StorageMeter`` (the tensors that
 pass through dispatch: the meter before it counted allocations).
 
-    python benchmarks/meter_check.py            # prints the table (markdown)
+    python benchmarks/meter_check.py            # prints the table, writes it for RESULTS.md
+
+The table goes to ``benchmarks/results-meter/cpu.md`` with the machine, torch and date of the
+run; ``benchmarks/render.py`` puts it in RESULTS.md.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+OUTPUT = ROOT / "benchmarks" / "results-meter" / "cpu.md"
 
 STEPS = {
     "unet (oneDNN convolutions)": ("unet", True),
@@ -63,19 +70,30 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         print(json.dumps(_child(sys.argv[2], sys.argv[3] == "1")))
         return 0
-    print("| step | allocator's edge (B) | meter: every allocation (B) | ratio | "
-          "meter: tensor storage (B) | ratio |")
-    print("|---|---:|---:|---:|---:|---:|")
+    import torch
+
+    from benchmarks.run import git_commit
+
+    lines = [f"The CPU meter against the allocator's edge: {platform.processor() or platform.machine()}, "
+             f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, "
+             f"measured {datetime.date.today().isoformat()} at {git_commit(True)} "
+             "(`python benchmarks/meter_check.py`). *every allocation*: the meter now (torch.profiler's "
+             "memory events); *tensor storage*: the meter before (tensors through dispatch).", "",
+             "| step | allocator's edge (B) | meter: every allocation (B) | ratio | "
+             "meter: tensor storage (B) | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for label, (model_name, onednn) in STEPS.items():
         proc = subprocess.run([sys.executable, __file__, "--child", model_name, "1" if onednn else "0"],
                               capture_output=True, text=True, env=child_env(PYTHONPATH=str(ROOT)))
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            print(f"| {label} | failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]} |")
+        found = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not found:
+            lines.append(f"| {label} | failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]} |")
             continue
-        r = json.loads(lines[-1])
-        print(f"| {label} | {r['edge']:,} | {r['allocations']:,} | {r['allocations'] / r['edge']:.3f} | "
-              f"{r['storage']:,} | {r['storage'] / r['edge']:.3f} |")
+        r = json.loads(found[-1])
+        lines.append(f"| {label} | {r['edge']:,} | {r['allocations']:,} | {r['allocations'] / r['edge']:.3f} | "
+                     f"{r['storage']:,} | {r['storage'] / r['edge']:.3f} |")
+    print("\n".join(lines))
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text("\n".join(lines) + "\n")
     return 0
 
 

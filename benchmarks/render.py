@@ -630,7 +630,16 @@ def planning_results_section(results: Path) -> list[str]:
     return planning_section(results.parent / PLANNING.name)
 
 
-DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section]
+def meter_section(results: Path) -> list[str]:
+    """The meter against the allocator's edge (``benchmarks/meter_check.py``'s table)."""
+    table = results.parent / "results-meter" / "cpu.md"
+    if not table.is_file():
+        return []
+    return ["## The meter against the allocator's edge", "", *table.read_text().rstrip().splitlines()]
+
+
+DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section,
+                                                        meter_section]
 
 
 README = ROOT / "README.md"
