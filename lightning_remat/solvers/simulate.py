@@ -584,6 +584,17 @@ class StepSimulation:
         for v in stage:
             self._recompute_op(k, v, rkey, re_refs)
 
+    def _saved_again(self, k: int, v: str, root: str, rkey: dict[str, object]) -> object:
+        """The storage v's recomputed op saves of ``root``'s: a kept view of it that v reads
+        is the kept storage (the recomputation hands the kept value on), not the
+        recomputed one."""
+        if self.stage_of[root] != k:
+            return ("val", self.base[root])
+        for u in self.pred[v]:
+            if self.base[u] == root and self.stage_of[u] == k and u in self.kept[k]:
+                return rkey[u]
+        return rkey[root]
+
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int]) -> None:
         mem, base, stage_of = self.mem, self.base, self.stage_of
@@ -598,8 +609,7 @@ class StepSimulation:
                 if self.stage_of[saver] == k:
                     mem.hold(mine)
                     self.held[saver].append(mine)
-        self._save_for_backward(
-            v, [rkey[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
+        self._save_for_backward(v, [self._saved_again(k, v, r, rkey) for r in self.saved_refs[v]])
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
             bu = base[u]
@@ -624,7 +634,7 @@ class StepSimulation:
         for held in extra:
             self.held[v].append(held)
         for r in self.saved_refs[v]:
-            ref = rkey[r] if self.stage_of[r] == k else self._val(r)
+            ref = self._saved_again(k, v, r, rkey)
             mem.hold(ref)
             self.held[v].append(ref)
         for u in self.pred[v]:
