@@ -266,14 +266,15 @@ class RematModule(nn.Module):
 
         def contexts() -> tuple[Any, Any]:
             forward, recompute = create_selective_checkpoint_contexts(functools.partial(boundary_policy, region))
-            if restores:
-                # The snapshot is taken outside the recomputation mode, which would see its copies.
-                recompute = _both(RestoreNormStatistics(self, program), recompute)
-            if sharded:  # FSDP's hooks: their profiler ranges kept out of the op matching
-                forward, recompute = _both(forward, _ProfilerRangesAside()), _both(recompute, _ProfilerRangesAside())
-            return (_both(_UncachedAutocast(), _both(region.outside(), forward)),
-                    _both(_UncachedAutocast(), _both(region.outside(), recompute)))
+            # The norm statistics' snapshot is taken outside the recomputation mode, which
+            # would see its copies; FSDP's profiler ranges are kept out of the op matching.
+            restore = [lambda: RestoreNormStatistics(self, program)] if restores else []
+            aside = [_ProfilerRangesAside] if sharded else []
+            return (_Contexts(_UncachedAutocast, region.outside, lambda: forward, *aside),
+                    _Contexts(_UncachedAutocast, region.outside, *restore,
+                              lambda: _KeptOnce(recompute), *aside))
 
+        return contexts
         return contexts
 
 
@@ -311,10 +312,37 @@ class _UncachedAutocast(contextlib.ExitStack):
         return self
 
 
-@contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Any:
-    with first, second:
-        yield
+class _Contexts:
+    """The contexts ``factories`` make, entered together, made afresh at each entry:
+    checkpoint enters a stage's recomputation context once per backward that recomputes it,
+    twice when a double backward (``create_graph=True``, ``retain_graph=True``) passes the
+    stage again."""
+
+    def __init__(self, *factories: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.factories = factories
+        self.entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        with stack:
+            for make in self.factories:
+                stack.enter_context(make())
+            self.entered.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self.entered.pop().__exit__(*exc))
+
+
+def _KeptOnce(recompute: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
+    """Selective checkpointing's recomputation mode, which hands the recomputation the
+    values kept from the forward, for a backward that frees the graph; for one that keeps
+    it the stage runs again whole. Torch's selective checkpointing hands kept values to one
+    backward only, and a backward that keeps the graph (a gradient penalty's
+    ``create_graph=True``) is followed by another through the same stage; recomputed, the
+    kept values are the same (random ops are never kept)."""
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        return contextlib.nullcontext()
+    return recompute
 
 
 def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: list[tuple[str, str]]) -> inspect.Signature:
