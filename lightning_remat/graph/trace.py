@@ -207,6 +207,9 @@ class Traced:
     fx_failure: str = ""
     """Why fx was not used (fallback only)."""
     repeated: list[str] = field(default_factory=list)
+    output_spec: pytree.TreeSpec | None = None
+    """The pytree structure of the module's own output on the example call (fx only): fx
+    records an ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict."""
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -546,6 +549,7 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
             "the traced graph's output differs from module(...) on the example input "
             "(Python control flow was specialised at trace time)"
         )
+    traced.output_spec = pytree.tree_structure(expected)
     traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
     traced.graph.meta.random = sorted(
         {traced.charge[n] for n in recorder.random if n in traced.charge}, key=traced.graph.position)

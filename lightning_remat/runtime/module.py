@@ -26,7 +26,7 @@ import inspect
 import sys
 import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -49,6 +50,7 @@ from lightning_remat.runtime.stages import (
     boundary_policy,
     compile_stages,
     rebuild_output,
+    with_output_containers,
 )
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import make_schedule
@@ -135,6 +137,8 @@ class RematModule(nn.Module):
         for name, buf in root._buffers.items():
             self.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training  # not .train(): children keep their own modes
+        # Not a submodule: its members are this module's own already (state_dict keys).
+        object.__setattr__(self, "_remat_root", root)
         self.variants: dict[Hashable, Variant] = {}
         self._remat_current: Variant | None = None
         self._remat_select: VariantSelector | None = None
@@ -177,6 +181,50 @@ class RematModule(nn.Module):
     def set_current(self, variant: Variant) -> None:
         """Run ``variant`` until a selector picks another."""
         self._remat_current = variant
+
+    # ---- the original's interface ---------------------------------------------------------
+    # What this class does not have itself is the original module's: its attributes and
+    # methods (``r.num_classes``, ``r.encode(x)``, which run the original's code plainly on
+    # the shared submodules) and a container's indexing, length and iteration (``r[0]``,
+    # ``len(r)``, ``iter(r)`` on a Sequential).
+    @property
+    def original(self) -> nn.Module:
+        """The module this one was made from (its forward traced)."""
+        return self.__dict__["_remat_root"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__.get("_remat_root")
+            if root is None or name.startswith("_remat"):
+                raise
+            try:
+                return getattr(root, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"'{type(self).__name__}' object has no attribute {name!r}, nor has the "
+                    f"module it was made from ({type(root).__name__})") from None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.original)))
+
+    def __getitem__(self, index: Any) -> Any:
+        return _container_call(self.original, "__getitem__", "subscriptable", index)
+
+    def __len__(self) -> int:
+        return _container_call(self.original, "__len__", "sized")
+
+    def __iter__(self) -> Iterator[Any]:
+        return _container_call(self.original, "__iter__", "iterable")
+
+    def __contains__(self, item: Any) -> bool:
+        if hasattr(type(self.original), "__contains__"):
+            return item in self.original
+        return any(item is value or item == value for value in self)
+
+    def __bool__(self) -> bool:
+        return bool(self.original)
 
     # ---- adoption of what the graph reads -----------------------------------------------
     def adopt_targets(self, graph: fx.Graph, sources: list[nn.Module]) -> None:
@@ -278,6 +326,15 @@ class RematModule(nn.Module):
         return contexts
 
 
+def _container_call(root: nn.Module, method: str, kind: str, *args: Any) -> Any:
+    """``root``'s container method ``method``, or the TypeError Python gives an object
+    without it (``kind``: what the object is not, e.g. ``subscriptable``)."""
+    if not hasattr(type(root), method):
+        raise TypeError(f"'RematModule' object is not {kind}: the module it was made from "
+                        f"({type(root).__name__}) is not")
+    return getattr(root, method)(*args)
+
+
 def _has_fsdp_units(module: nn.Module) -> bool:
     """Whether ``module`` holds a unit of torch FSDP (none without a process group)."""
     types = fsdp_unit_types()
@@ -367,15 +424,19 @@ def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: lis
 def build_variant(
     gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None = None,
     charge: dict[str, str] | None = None, graph: Graph | None = None,
+    output_spec: pytree.TreeSpec | None = None,
 ) -> Variant:
     """``plan`` compiled for ``owner`` to run the forward ``gm`` traces (``root``: the module
     ``gm`` was traced from; ``charge``: fx node name -> vertex id where they differ;
     ``graph``: the vertex graph the plan was made on, whose schedule the stages follow, by
-    default the one ``gm``'s structure gives, :func:`~lightning_remat.graph.trace.fx_vertex_graph`)."""
+    default the one ``gm``'s structure gives, :func:`~lightning_remat.graph.trace.fx_vertex_graph`;
+    ``output_spec``: the pytree structure of ``root``'s own output, whose container types
+    the stages' output takes, :attr:`~lightning_remat.graph.trace.Traced.output_spec`)."""
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if graph is None:
         graph = fx_vertex_graph(gm, plan, charge)
     stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
+    stages.output = with_output_containers(stages.output, output_spec)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
 
 
@@ -393,7 +454,7 @@ def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: n
         return Variant(plan=plan, stages=None, signature=signature, graph=graph,
                        hooked=SubmoduleCheckpointing(root, plan))
     variant = build_variant(traced.runner, plan, owner, root, traced.charge,
-                            graph if graph is not None else traced.graph)
+                            graph if graph is not None else traced.graph, traced.output_spec)
     variant.graph = graph
     return variant
 
