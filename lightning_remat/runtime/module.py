@@ -387,7 +387,18 @@ class _Contexts:
             self.entered.append(stack.pop_all())
 
     def __exit__(self, *exc: Any) -> bool:
-        return bool(self.entered.pop().__exit__(*exc))
+        try:
+            return bool(self.entered.pop().__exit__(*exc))
+        finally:
+            if not self.entered and not _graph_kept():
+                # No backward runs the stage again: what the contexts hold (the forward's
+                # kept values a recomputation stopped early left) goes now.
+                self.factories = ()
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (True outside a backward)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
 def _KeptOnce(recompute: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
@@ -397,7 +408,7 @@ def _KeptOnce(recompute: contextlib.AbstractContextManager) -> contextlib.Abstra
     backward only, and a backward that keeps the graph (a gradient penalty's
     ``create_graph=True``) is followed by another through the same stage; recomputed, the
     kept values are the same (random ops are never kept)."""
-    if torch._C._autograd._get_current_graph_task_keep_graph():
+    if _graph_kept():
         return contextlib.nullcontext()
     return recompute
 
