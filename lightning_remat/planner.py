@@ -80,7 +80,7 @@ from lightning_remat.messages import (
     world_size,
 )
 from lightning_remat.meter import TimelinePoint, record_timeline
-from lightning_remat.runtime.hooked import per_submodule_plan
+from lightning_remat.runtime.hooked import every_submodule_recomputed, per_submodule_plan
 from lightning_remat.runtime.module import (
     RematModule,
     Variant,
@@ -89,7 +89,7 @@ from lightning_remat.runtime.module import (
 )
 from lightning_remat.runtime.offload import measure_bandwidth
 from lightning_remat.runtime.stepcheck import StepMeter, step_meter, watch_backward
-from lightning_remat.solvers import SOLVERS, plain_plan, simulate, solve
+from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
@@ -614,14 +614,69 @@ class Planner:
         budget = self._budget_read = settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
-        plan = plain_plan(graph) if budget is None else self._solve(graph, budget, options)
-        if traced.kind == CHILDREN:  # each submodule checkpointed on its own
-            plan = per_submodule_plan(graph, plan, budget)
+        plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
                               profiled - started, "derived" if self.profiler is not None else "profile"))
         return graph, plan, False
+
+    def _accepted_plan(self, graph: Graph, budget: int | None, options: dict[str, Any],
+                       per_submodule: bool) -> Plan:
+        """The plan for ``budget`` (``per_submodule``: the model could not be traced, each
+        submodule is checkpointed on its own); where there is none,
+        :class:`~lightning_remat.errors.RematInfeasibleError` naming the smallest budget
+        this very function accepts (:meth:`smallest_budget`), so that budget, given, is."""
+        try:
+            return self._plan_for(graph, budget, options, per_submodule)
+        except RematInfeasibleError as exc:
+            assert budget is not None
+            least = self.smallest_budget(graph, options, per_submodule)
+            raise RematInfeasibleError(budget, least, exc.tried) from None
+
+    def _plan_for(self, graph: Graph, budget: int | None, options: dict[str, Any],
+                  per_submodule: bool) -> Plan:
+        plan = plain_plan(graph) if budget is None else self._solve(graph, budget, options)
+        if per_submodule:
+            plan = per_submodule_plan(graph, plan, budget)
+        return plan
+
+    def _accepts(self, graph: Graph, budget: int, options: dict[str, Any], per_submodule: bool) -> bool:
+        try:
+            self._plan_for(graph, budget, options, per_submodule)
+        except RematInfeasibleError:
+            return False
+        return True
+
+    def smallest_budget(self, graph: Graph, options: dict[str, Any],
+                        per_submodule: bool = False) -> int | None:
+        """The smallest budget :meth:`_accepted_plan` accepts for ``graph``: the solver's
+        smallest budget (:func:`~lightning_remat.solvers.min_budget`) or, for ``auto``, the
+        measured plain peak where that is less (``_solve`` takes the plain plan there).
+        Checkpointing each submodule on its own also needs a budget its per-submodule plan
+        fits (:func:`~lightning_remat.runtime.hooked.per_submodule_plan`): found by binary
+        search from the budget every submodule recomputed needs, down to the solver's (None:
+        no budget found)."""
+        least = min_budget(graph, self.settings.solver, **options)
+        if self.settings.solver == "auto" and graph.meta.plain_peak_bytes:
+            least = min(least, plain_peak_bytes(graph))
+        if not per_submodule or self._accepts(graph, least, options, per_submodule):
+            return int(least)
+        hi = max(least, every_submodule_recomputed(graph).guaranteed_peak_bytes)
+        for _ in range(8):  # a split solver plan need not fit where a smaller budget's does
+            if self._accepts(graph, hi, options, per_submodule):
+                break
+            hi *= 2
+        else:
+            return None
+        lo = least
+        while hi - lo > max(1, hi // 100_000):
+            mid = (lo + hi) // 2
+            if self._accepts(graph, mid, options, per_submodule):
+                hi = mid
+            else:
+                lo = mid
+        return int(hi)
 
     def _solve(self, graph: Graph, budget: int, options: dict[str, Any]) -> Plan:
         """The solver's plan; for ``auto``, where the plain step's measured peak is within

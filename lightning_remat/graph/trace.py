@@ -207,10 +207,11 @@ class Traced:
     """Why fx was not used (export and fallback only)."""
     export_failure: str = ""
     """Why torch.export was not used (fallback only; empty when it was not tried)."""
-    output_spec: pytree.TreeSpec | None = None
-    """For ``kind == "export"``: the forward's output structure over the graph's flat output
-    leaves."""
     repeated: list[str] = field(default_factory=list)
+    output_spec: pytree.TreeSpec | None = None
+    """The pytree structure of the module's own output on the example call. fx records an
+    ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict; an exported graph
+    returns the output's flat leaves, which this structure rebuilds."""
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -613,6 +614,8 @@ def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs:
             "the traced graph's output differs from module(...) on the example input "
             "(Python control flow was specialised at trace time)"
         )
+    if traced.kind != EXPORT:  # export's own spec is over its flat output leaves
+        traced.output_spec = pytree.tree_structure(expected)
     traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
     traced.graph.meta.random = sorted(
         {traced.charge[n] for n in recorder.random if n in traced.charge}, key=traced.graph.position)

@@ -42,7 +42,8 @@ from lightning_remat.solvers import fits
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan
 
-__all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "per_submodule_plan"]
+__all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "every_submodule_recomputed",
+           "per_submodule_plan"]
 
 OffloadContext = Callable[[int, Stage], contextlib.AbstractContextManager]
 
@@ -143,10 +144,9 @@ def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Pl
     if fits(split, budget_bytes):
         return split
     chosen = {v: "recompute" for v in graph.ids}
-    best = make_plan(graph, [Stage([v], chosen[v]) for v in graph.ids], plan.solver, budget_bytes,
-                     whole_stages=True)
+    best = every_submodule_recomputed(graph, plan.solver, budget_bytes)
     if not fits(best, budget_bytes):
-        raise RematInfeasibleError(budget_bytes or 0, best.predicted_peak_bytes,
+        raise RematInfeasibleError(budget_bytes or 0, best.guaranteed_peak_bytes,
                                    f"{plan.solver}, each submodule checkpointed on its own "
                                    "(the model could not be traced)")
     for v in sorted(graph.ids, key=lambda v: -graph[v].t_fwd):
@@ -158,3 +158,11 @@ def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Pl
         else:
             chosen[v] = "recompute"
     return best
+
+
+def every_submodule_recomputed(graph: Graph, solver: str = "per-submodule",
+                               budget_bytes: int | None = None) -> Plan:
+    """Every vertex (submodule) recomputed on its own, as the fallback runs it: the least
+    memory :func:`per_submodule_plan` can reach."""
+    return make_plan(graph, [Stage([v], "recompute") for v in graph.ids], solver, budget_bytes,
+                     whole_stages=True)

@@ -26,7 +26,7 @@ import inspect
 import sys
 import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ from lightning_remat.runtime.stages import (
     boundary_policy,
     compile_stages,
     rebuild_output,
+    with_output_containers,
 )
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import make_schedule
@@ -147,6 +148,8 @@ class RematModule(nn.Module):
         for name, buf in root._buffers.items():
             self.register_buffer(name, buf, persistent=name not in root._non_persistent_buffers_set)
         self.training = root.training  # not .train(): children keep their own modes
+        # Not a submodule: its members are this module's own already (state_dict keys).
+        object.__setattr__(self, "_remat_root", root)
         self.variants: dict[Hashable, Variant] = {}
         self._remat_current: Variant | None = None
         self._remat_select: VariantSelector | None = None
@@ -195,6 +198,50 @@ class RematModule(nn.Module):
     def set_current(self, variant: Variant) -> None:
         """Run ``variant`` until a selector picks another."""
         self._remat_current = variant
+
+    # ---- the original's interface ---------------------------------------------------------
+    # What this class does not have itself is the original module's: its attributes and
+    # methods (``r.num_classes``, ``r.encode(x)``, which run the original's code plainly on
+    # the shared submodules) and a container's indexing, length and iteration (``r[0]``,
+    # ``len(r)``, ``iter(r)`` on a Sequential).
+    @property
+    def original(self) -> nn.Module:
+        """The module this one was made from (its forward traced)."""
+        return self.__dict__["_remat_root"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__.get("_remat_root")
+            if root is None or name.startswith("_remat"):
+                raise
+            try:
+                return getattr(root, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"'{type(self).__name__}' object has no attribute {name!r}, nor has the "
+                    f"module it was made from ({type(root).__name__})") from None
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(self.original)))
+
+    def __getitem__(self, index: Any) -> Any:
+        return _container_call(self.original, "__getitem__", "subscriptable", index)
+
+    def __len__(self) -> int:
+        return _container_call(self.original, "__len__", "sized")
+
+    def __iter__(self) -> Iterator[Any]:
+        return _container_call(self.original, "__iter__", "iterable")
+
+    def __contains__(self, item: Any) -> bool:
+        if hasattr(type(self.original), "__contains__"):
+            return item in self.original
+        return any(item is value or item == value for value in self)
+
+    def __bool__(self) -> bool:
+        return bool(self.original)
 
     # ---- adoption of what the graph reads -----------------------------------------------
     def adopt_targets(self, graph: fx.Graph, sources: list[nn.Module]) -> None:
@@ -306,29 +353,37 @@ class RematModule(nn.Module):
                 return torch.utils.checkpoint.noop_context_fn
 
             def plain() -> tuple[Any, Any]:
-                forward: Any = contextlib.nullcontext()
-                recompute: Any = RestoreNormStatistics(self, program) if restores else contextlib.nullcontext()
-                if once is not None:
-                    kept = once()
-                    forward, recompute = kept.forward(), _both(kept.recompute(), recompute)
-                return forward, recompute
+                kept = once() if once is not None else None
+                forward: Any = kept.forward() if kept is not None else contextlib.nullcontext()
+                return forward, _Contexts(*([kept.recompute] if kept is not None else []),
+                                          *([lambda: RestoreNormStatistics(self, program)] if restores else []))
 
             return plain
 
         def contexts() -> tuple[Any, Any]:
             forward, recompute = create_selective_checkpoint_contexts(functools.partial(boundary_policy, region))
-            if restores:
-                # The snapshot is taken outside the recomputation mode, which would see its copies.
-                recompute = _both(RestoreNormStatistics(self, program), recompute)
-            if once is not None:  # its copies too are made outside the modes
-                kept = once()
-                forward, recompute = _both(kept.forward(), forward), _both(kept.recompute(), recompute)
-            if sharded:  # FSDP's hooks: their profiler ranges kept out of the op matching
-                forward, recompute = _both(forward, _ProfilerRangesAside()), _both(recompute, _ProfilerRangesAside())
-            return (_both(_UncachedAutocast(), _both(region.outside(), forward)),
-                    _both(_UncachedAutocast(), _both(region.outside(), recompute)))
+            # The snapshots (norm statistics, buffers a stage updates) are taken outside the
+            # recomputation mode, which would see their copies; FSDP's profiler ranges are
+            # kept out of the op matching.
+            kept = once() if once is not None else None
+            keep_forward = [kept.forward] if kept is not None else []
+            keep_recompute = [kept.recompute] if kept is not None else []
+            restore = [lambda: RestoreNormStatistics(self, program)] if restores else []
+            aside = [_ProfilerRangesAside] if sharded else []
+            return (_Contexts(_UncachedAutocast, region.outside, *keep_forward, lambda: forward, *aside),
+                    _Contexts(_UncachedAutocast, region.outside, *keep_recompute, *restore,
+                              lambda: _KeptOnce(recompute), *aside))
 
         return contexts
+
+
+def _container_call(root: nn.Module, method: str, kind: str, *args: Any) -> Any:
+    """``root``'s container method ``method``, or the TypeError Python gives an object
+    without it (``kind``: what the object is not, e.g. ``subscriptable``)."""
+    if not hasattr(type(root), method):
+        raise TypeError(f"'RematModule' object is not {kind}: the module it was made from "
+                        f"({type(root).__name__}) is not")
+    return getattr(root, method)(*args)
 
 
 def _once_per_step(owner: nn.Module, program: StageProgram) -> Callable[[], OncePerStep] | None:
@@ -381,10 +436,48 @@ class _UncachedAutocast(contextlib.ExitStack):
         return self
 
 
-@contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Any:
-    with first, second:
-        yield
+class _Contexts:
+    """The contexts ``factories`` make, entered together, made afresh at each entry:
+    checkpoint enters a stage's recomputation context once per backward that recomputes it,
+    twice when a double backward (``create_graph=True``, ``retain_graph=True``) passes the
+    stage again."""
+
+    def __init__(self, *factories: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.factories = factories
+        self.entered: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        with stack:
+            for make in self.factories:
+                stack.enter_context(make())
+            self.entered.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            return bool(self.entered.pop().__exit__(*exc))
+        finally:
+            if not self.entered and not _graph_kept():
+                # No backward runs the stage again: what the contexts hold (the forward's
+                # kept values a recomputation stopped early left) goes now.
+                self.factories = ()
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph (True outside a backward)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def _KeptOnce(recompute: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
+    """Selective checkpointing's recomputation mode, which hands the recomputation the
+    values kept from the forward, for a backward that frees the graph; for one that keeps
+    it the stage runs again whole. Torch's selective checkpointing hands kept values to one
+    backward only, and a backward that keeps the graph (a gradient penalty's
+    ``create_graph=True``) is followed by another through the same stage; recomputed, the
+    kept values are the same (random ops are never kept)."""
+    if _graph_kept():
+        return contextlib.nullcontext()
+    return recompute
 
 
 def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: list[tuple[str, str]]) -> inspect.Signature:
@@ -409,15 +502,19 @@ def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: lis
 def build_variant(
     gm: fx.GraphModule, plan: Plan, owner: RematModule, root: nn.Module | None = None,
     charge: dict[str, str] | None = None, graph: Graph | None = None,
+    output_spec: pytree.TreeSpec | None = None,
 ) -> Variant:
     """``plan`` compiled for ``owner`` to run the forward ``gm`` traces (``root``: the module
     ``gm`` was traced from; ``charge``: fx node name -> vertex id where they differ;
     ``graph``: the vertex graph the plan was made on, whose schedule the stages follow, by
-    default the one ``gm``'s structure gives, :func:`~lightning_remat.graph.trace.fx_vertex_graph`)."""
+    default the one ``gm``'s structure gives, :func:`~lightning_remat.graph.trace.fx_vertex_graph`;
+    ``output_spec``: the pytree structure of ``root``'s own output, whose container types
+    the stages' output takes, :attr:`~lightning_remat.graph.trace.Traced.output_spec`)."""
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if graph is None:
         graph = fx_vertex_graph(gm, plan, charge)
     stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
+    stages.output = with_output_containers(stages.output, output_spec)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
 
 
@@ -435,7 +532,8 @@ def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: n
         return Variant(plan=plan, stages=None, signature=signature, graph=graph,
                        hooked=SubmoduleCheckpointing(root, plan))
     variant = build_variant(traced.runner, plan, owner, root, traced.charge,
-                            graph if graph is not None else traced.graph)
+                            graph if graph is not None else traced.graph,
+                            traced.output_spec if traced.kind != EXPORT else None)
     variant.graph = graph
     if traced.kind == EXPORT:
         variant.output_spec, variant.eager = traced.output_spec, root

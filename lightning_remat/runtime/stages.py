@@ -53,7 +53,7 @@ from lightning_remat.solvers.schedule import Schedule
 
 __all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
            "call_out_of_place", "compile_stages",
-           "rebuild_output"]
+           "rebuild_output", "with_output_containers"]
 
 # ---------------------------------------------------------------------------------------
 # stage assignment
@@ -439,6 +439,34 @@ def rebuild_output(structure: Any, env: dict[str, Any]) -> Any:
     return pytree.tree_map_only(Ref, lambda ref: env[ref.name], structure)
 
 
+def with_output_containers(structure: Any, spec: pytree.TreeSpec | None) -> Any:
+    """The traced output ``structure`` in the containers of the module's own output
+    (``spec``: its pytree structure on the example call, None: unknown), container by
+    container where both hold the same keys: fx records an ``OrderedDict`` the forward
+    returns as a plain dict. A container fx built as a node of its own (a named tuple) is
+    one leaf of ``structure``, and its value at run time already has its type."""
+    if spec is None or spec.is_leaf():
+        return structure
+    found = pytree.tree_flatten_with_path(structure, is_leaf=lambda node: node is not structure)[0]
+    if len(found) == 1 and found[0][1] is structure:
+        return structure  # a leaf: a Ref or a constant
+    children = _spec_children(spec)
+    level = pytree.TreeSpec(spec.type, spec.context, [_LEAF] * len(children))
+    wanted = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(children))), level))[0]
+    if [pytree.keystr(p) for p, _ in wanted] != [pytree.keystr(p) for p, _ in found]:
+        return structure
+    return pytree.tree_unflatten(
+        [with_output_containers(child, sub) for (_, child), sub in zip(found, children)], level)
+
+
+def _spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    # children(): newer torch; children_specs (deprecated there): older ones
+    return list(spec.children() if hasattr(spec, "children") else spec.children_specs)
+
+
+_LEAF = pytree.tree_structure(0)
+
+
 def _plain_containers(structure: Any) -> Any:
     """fx keeps a forward's output lists and dicts as ``immutable_list``/``immutable_dict``:
     the same structure with the plain types the forward returned."""
@@ -450,9 +478,7 @@ def _plain_spec(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     if spec.is_leaf():
         return spec
     kind = {immutable_list: list, immutable_dict: dict}.get(spec.type, spec.type)
-    # children(): newer torch; children_specs (deprecated there): older ones
-    children = spec.children() if hasattr(spec, "children") else spec.children_specs
-    return pytree.TreeSpec(kind, spec.context, [_plain_spec(c) for c in children])
+    return pytree.TreeSpec(kind, spec.context, [_plain_spec(c) for c in _spec_children(spec)])
 
 
 @dataclass
