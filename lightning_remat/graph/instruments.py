@@ -210,6 +210,9 @@ class BackwardTimer:
         self.workspace = workspace
         self.claimed: set[Any] = set()
         self.skip_leaves: set[int] = set()
+        self.handles: list[Any] = []
+        """The hooks' handles: a parameter's AccumulateGrad node outlives the step, so its
+        hooks must go when the op's backward has run (:meth:`clear`)."""
 
     def attach(self, vid: str, outputs: Iterable[torch.Tensor], record: OpRecord) -> None:
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -237,11 +240,14 @@ class BackwardTimer:
             record.pending.append((vid, "bwd", state.get("start"), end))
 
         try:
-            fn.register_prehook(pre)
-            fn.register_hook(post)
+            self.handles.append(fn.register_prehook(pre))
+            self.handles.append(fn.register_hook(post))
         except (RuntimeError, AttributeError):  # pragma: no cover - nodes without hooks
             pass
 
     def clear(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
         self.claimed.clear()
         self.skip_leaves.clear()
