@@ -598,8 +598,7 @@ class StepSimulation:
                 if self.stage_of[saver] == k:
                     mem.hold(mine)
                     self.held[saver].append(mine)
-        self._save_for_backward(
-            v, [rkey[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
+        self._save_for_backward(v, [self._saved_key(k, v, r, rkey) for r in self.saved_refs[v]])
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
             bu = base[u]
@@ -609,6 +608,18 @@ class StepSimulation:
             mem.release(mine)
         mem.settle(mine)
         self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
+
+    def _saved_key(self, k: int, v: str, r: str, rkey: dict[str, object]) -> object:
+        """The storage that v's op saves as ``r`` (a storage base) when stage k is
+        recomputed: the one v reads it through. A storage can be in the recomputation
+        twice, its recomputed copy and, where a view of it is kept, the forward's (a ViT's
+        ``norm_pre``, an Identity kept at the boundary, over the recomputed ``pos_embed``
+        add): what the op saves is the copy it was handed."""
+        base, stage_of = self.base, self.stage_of
+        for u in (v, *self.pred[v]):
+            if base[u] == r:
+                return rkey[u] if stage_of[u] == k else ("val", r)
+        return rkey[r] if stage_of[r] == k else ("val", r)
 
     def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int]) -> None:
@@ -624,7 +635,7 @@ class StepSimulation:
         for held in extra:
             self.held[v].append(held)
         for r in self.saved_refs[v]:
-            ref = rkey[r] if self.stage_of[r] == k else self._val(r)
+            ref = self._saved_key(k, v, r, rkey)
             mem.hold(ref)
             self.held[v].append(ref)
         for u in self.pred[v]:
