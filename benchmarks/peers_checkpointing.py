@@ -205,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         if "peak_bytes" in peer:
             rows["remat"] = spawn(name, "remat", peer["peak_bytes"], args.repeats)
         print(name, json.dumps(rows), flush=True)
-    record["seconds"] = time.time() - started
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.tag}.json").write_text(json.dumps(record, indent=1))
+        # Written after each model: a run cut short keeps what it measured.
+        record["seconds"] = time.time() - started
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{args.tag}.json").write_text(json.dumps(record, indent=1))
     print("\n".join(render_section()))
     return 0
 

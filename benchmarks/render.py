@@ -620,7 +620,15 @@ def planning_results_section(results: Path) -> list[str]:
     return planning_section(results.parent / PLANNING.name)
 
 
-DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section]
+def peers_section(results: Path) -> list[str]:
+    """The table ``benchmarks/peers_checkpointing.py`` measured (its own results folder)."""
+    from benchmarks.peers_checkpointing import render_section as render_peers
+
+    return render_peers(results.parent / "results-peers")
+
+
+DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section,
+                                                         peers_section]
 
 
 README = ROOT / "README.md"
