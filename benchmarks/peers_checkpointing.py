@@ -177,7 +177,9 @@ def render_section(results: Path = RESULTS) -> list[str]:
         record = json.loads(path.read_text())
         out += [f"## Against timm and Hugging Face checkpointing ({path.stem})", "",
                 f"{record['machine']}, torch {record['torch']}, measured {record['date']} at commit "
-                f"{record['commit']} by `benchmarks/peers_checkpointing.py` ({record['seconds']:.0f} s). "
+                f"{record['commit']} by `benchmarks/peers_checkpointing.py`"
+                + (f" ({record['seconds']:.0f} s)" if "seconds" in record else "")
+                + (f"; {record['note']}" if record.get("note") else "") + ". "
                 "Each peer's measured peak is the budget of `remat` (solver `auto`), measured in the "
                 "same run and harness; ratios in brackets are to the plain step's peak, times are "
                 "to plain steps alternated in the same process.", "", *table(record), ""]

@@ -75,15 +75,20 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
 }
 
 
+# ResNet-50's parameter gradients are a large part of its plain peak at any size CI can run
+# (at batch 4, 96 px, the smallest budget auto reaches is 0.70 of plain): held to 75% there.
+BUDGET = {"resnet50": "75%"}
+
+
 @cache
 def planned(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor, RematModule]:
-    """The model, a plain deep copy of it, the batch and the model planned at 50% (one
+    """The model, a plain deep copy of it, the batch and the model planned at 50% (``BUDGET``; one
     trace and profile per model for the whole file)."""
     torch.manual_seed(0)
     model, x = ZOO[name]()
     model.train()
     plain = copy.deepcopy(model)
-    return model, plain, x, remat(model, x, "50%")
+    return model, plain, x, remat(model, x, BUDGET.get(name, "50%"))
 
 
 def capture(remat_model: RematModule) -> str:
