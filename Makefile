@@ -5,19 +5,20 @@ VENV ?= .venv
 # (and an ordinary wheel elsewhere); override with `make TORCH_SPEC=torch test`.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
-# The benchmarks need torchvision, whose wheels pair with one torch release each: a venv of
-# their own (the pair lying on this kind of machine; override for another platform).
+# The benchmarks and the zoo tests need torchvision (and timm), whose wheels pair with one
+# torch release each: a venv of their own (the pair lying on this kind of machine; override
+# for another platform).
 BENCH_VENV ?= .venv-bench
 BENCH_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 BENCH_BIN := $(BENCH_VENV)/bin
 
-.PHONY: demo test lint venv bench bench-equal-memory clean
+.PHONY: demo test lint venv bench bench-equal-memory bench-peers clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,zoo]"
+	$(BIN)/python -m pip install -q -e ".[dev,hf]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -26,7 +27,7 @@ $(BENCH_BIN)/.installed: pyproject.toml
 	test -x $(BENCH_BIN)/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_BIN)/python -m pip install -q --upgrade pip
 	$(BENCH_BIN)/python -m pip install -q $(BENCH_TORCH_SPEC)
-	$(BENCH_BIN)/python -m pip install -q -e ".[dev,vision]"
+	$(BENCH_BIN)/python -m pip install -q -e ".[dev,vision,zoo]"
 	touch $@
 
 # The CPU part of benchmarks/RESULTS.md (under 20 minutes on 2 cores; refuses a dirty tree).
@@ -38,11 +39,19 @@ bench: $(BENCH_BIN)/.installed
 bench-equal-memory: $(BENCH_BIN)/.installed
 	$(BENCH_BIN)/python benchmarks/run.py --set equal-memory
 
+# remat at the peak of timm's set_grad_checkpointing and Hugging Face's
+# gradient_checkpointing_enable, on the zoo's models (about 10 minutes on 2 cores).
+bench-peers: $(BENCH_BIN)/.installed
+	$(BENCH_BIN)/python benchmarks/peers_checkpointing.py
+
 demo: venv
 	$(BIN)/python examples/quickstart.py
 
-test: venv
+# The suite, then the zoo's models (timm, torchvision, transformers) in the bench venv,
+# where they import beside their torch.
+test: venv $(BENCH_BIN)/.installed
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BENCH_BIN)/python -m pytest -q -p no:cacheprovider tests/test_zoo_vision.py
 
 lint: venv
 	$(BIN)/ruff check .

@@ -638,8 +638,15 @@ def meter_section(results: Path) -> list[str]:
     return ["## The meter against the allocator's edge", "", *table.read_text().rstrip().splitlines()]
 
 
+def peers_section(results: Path) -> list[str]:
+    """The table ``benchmarks/peers_checkpointing.py`` measured (its own results folder)."""
+    from benchmarks.peers_checkpointing import render_section as render_peers
+
+    return render_peers(results.parent / "results-peers")
+
+
 DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section,
-                                                        meter_section]
+                                                        meter_section, peers_section]
 
 
 README = ROOT / "README.md"
