@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "default_budget", "device_name", "free_device_memory", "is_out_of_memory", "module_device",
-    "move_to_device", "optimizer_state_made", "preserved_state", "preserved_training_state",
+    "move_to_device", "optimizer_state_made", "fsdp_unit_types", "is_sharded_unit",
 ]
 
 DEFAULT_MARGIN = 0.1
@@ -93,50 +93,23 @@ def free_device_memory(device: torch.device | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-@contextlib.contextmanager
-def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
-    """Restore buffers (BatchNorm running statistics, the objects a forward rebinds them
-    to), the module's own public attributes (a counter ``self.calls += 1``), training flags
-    and the RNG state on exit, so that measuring runs do not change what training would do
-    next."""
-    from lightning_remat.graph.effects import ModuleState
-    from lightning_remat.graph.trace import is_sharded_unit
+def fsdp_unit_types() -> tuple[type, ...]:
+    """torch FSDP's unit classes (FSDP2 ``FSDPModule``, FSDP1 ``FullyShardedDataParallel``);
+    none without an initialised process group (no module can be sharded then, and the FSDP
+    modules are not imported for nothing)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ()
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    state = ModuleState(module, values=False, skip=is_sharded_unit, private=False)
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    modes = [(m, m.training) for m in module.modules()]
-    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda_devices):
-        try:
-            yield
-        finally:
-            state.restore()
-            with torch.no_grad():
-                for buf, saved in buffers:
-                    buf.copy_(saved)
-            for m, mode in modes:
-                m.training = mode
+    return (FSDPModule, FullyShardedDataParallel)
 
 
-@contextlib.contextmanager
-def preserved_training_state(module: nn.Module) -> Iterator[None]:
-    """:func:`preserved_state` plus the parameters and their gradients, for runs that take
-    optimizer steps or accumulate gradients (measuring a step, a batch-size trial). The
-    copies are kept on the host, so they take no device memory from the run they guard."""
-    host = torch.device("cpu")
-    params = {name: p.detach().to(host, copy=True) for name, p in module.named_parameters()}
-    grads = {name: (None if p.grad is None else p.grad.detach().to(host, copy=True))
-             for name, p in module.named_parameters()}
-    devices = sorted({p.device for p in module.parameters()}, key=str)
-    with preserved_state(module, devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, p in module.named_parameters():
-                    p.copy_(params[name])
-                    grad = grads[name]
-                    p.grad = None if grad is None else grad.to(p.device)
+def is_sharded_unit(module: nn.Module) -> bool:
+    """Whether torch FSDP manages ``module`` as one unit (``fully_shard`` applied to it, or a
+    ``FullyShardedDataParallel`` wrapper)."""
+    types = fsdp_unit_types()
+    return bool(types) and isinstance(module, types)
+
 
 
 @contextlib.contextmanager

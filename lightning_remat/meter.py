@@ -12,6 +12,9 @@ internal scratch, and says so once.
 
 ``record_timeline`` gives the same readings op by op through one step (forward and
 backward), the measured counterpart of ``solvers.simulate``'s predicted timeline.
+
+Length: the three CPU meters (the allocation log, the storage meter, the timeline) share
+the storage accounting and the fallback between them, so they stay in one module.
 """
 
 from __future__ import annotations

@@ -49,10 +49,9 @@ from lightning_remat.device import (
     device_name,
     module_device,
     move_to_device,
-    preserved_state,
-    preserved_training_state,
 )
 from lightning_remat.errors import RematInfeasibleError, warn_caller
+from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (

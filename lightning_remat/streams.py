@@ -211,8 +211,6 @@ class SimulatedStreams(DeviceStreams):
         return bool(event.completed)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        from lightning_remat.runtime.offload import pinned_block_bytes
-
         self.pinned_requests.append(int(nbytes))
         block = pinned_block_bytes(nbytes)
         self.pinned_allocations.append(block)
@@ -236,3 +234,10 @@ def streams_for(device: torch.device) -> DeviceStreams:
     if device.type == "cuda":
         return CudaStreams(device)  # CUDA only
     return SimulatedStreams(latency=0, device=device)
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What ``torch.empty(nbytes, pin_memory=True)`` takes from the host: CUDA's caching
+    host allocator hands out blocks rounded up to a power of two, and keeps a freed block
+    for reuse instead of returning it."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0

@@ -30,6 +30,10 @@ user's module as it was. Three parts:
 - **Root hooks** (:func:`call_with_hooks`): the hooks registered on the module handed to
   ``remat`` fire around each call of the rematerialized module, with that module and the
   call's arguments and output, as in plain training.
+
+Length: capture's bookkeeping of module state (what a forward writes, how a run puts it
+back, how a recomputation keeps it to once per step) is one concern used by capture,
+profile and executor alike.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +51,13 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_remat.device import is_sharded_unit
 from lightning_remat.errors import SideEffectError
 
 __all__ = [
     "ModuleState", "OncePerStep", "StateChange", "StateTracer", "call_with_hooks", "has_forward_hooks",
-    "state_write_target", "trace_keeping_state", "write_buffer",
+    "preserved_state", "preserved_training_state", "state_write_target", "trace_keeping_state",
+    "write_buffer",
 ]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"forward"}
@@ -423,8 +429,6 @@ def _set_attributes(module: nn.Module, attrs: dict[str, Any]) -> None:
 
 
 def _is_sharded(module: nn.Module) -> bool:
-    from lightning_remat.graph.trace import is_sharded_unit
-
     return is_sharded_unit(module)
 
 
@@ -455,3 +459,47 @@ def call_with_hooks(module: nn.Module, forward: Callable[..., Any], args: tuple,
         return module(*args, **kwargs)
     finally:
         restore()
+
+
+# ---- measuring runs leave no trace ------------------------------------------------------
+@contextmanager
+def preserved_state(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[None]:
+    """Restore buffers (BatchNorm running statistics, the objects a forward rebinds them
+    to), the module's own public attributes (a counter ``self.calls += 1``), training flags
+    and the RNG state on exit, so that measuring runs do not change what training would do
+    next."""
+    state = ModuleState(module, values=False, skip=is_sharded_unit, private=False)
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    modes = [(m, m.training) for m in module.modules()]
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            yield
+        finally:
+            state.restore()
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
+            for m, mode in modes:
+                m.training = mode
+
+
+@contextmanager
+def preserved_training_state(module: nn.Module) -> Iterator[None]:
+    """:func:`preserved_state` plus the parameters and their gradients, for runs that take
+    optimizer steps or accumulate gradients (measuring a step, a batch-size trial). The
+    copies are kept on the host, so they take no device memory from the run they guard."""
+    host = torch.device("cpu")
+    params = {name: p.detach().to(host, copy=True) for name, p in module.named_parameters()}
+    grads = {name: (None if p.grad is None else p.grad.detach().to(host, copy=True))
+             for name, p in module.named_parameters()}
+    devices = sorted({p.device for p in module.parameters()}, key=str)
+    with preserved_state(module, devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    p.copy_(params[name])
+                    grad = grads[name]
+                    p.grad = None if grad is None else grad.to(p.device)

@@ -51,9 +51,9 @@ from lightning_remat.device import (
     free_device_memory,
     is_out_of_memory,
     module_device,
-    preserved_state,
 )
 from lightning_remat.errors import warn_caller
+from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.instruments import Clock, OpRecord, output_bytes, storage_of
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.opmeter import NodeProfiler, OpMeter, SubmoduleProfiler

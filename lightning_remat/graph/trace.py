@@ -60,9 +60,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_remat.device import preserved_state
+from lightning_remat.device import fsdp_unit_types, is_sharded_unit
 from lightning_remat.errors import SideEffectError, TraceError, warn_caller
-from lightning_remat.graph.effects import ModuleState, state_write_target, trace_keeping_state
+from lightning_remat.graph.effects import (
+    ModuleState,
+    preserved_state,
+    state_write_target,
+    trace_keeping_state,
+)
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.ops import draws_random, mutated_operand
@@ -77,24 +82,6 @@ CHILDREN = "children"
 """``Traced.kind`` of the fallback: the model's own forward with its submodules as vertices."""
 EXPORT = "export"
 """``Traced.kind`` of a forward captured by non-strict ``torch.export`` (ATen ops as vertices)."""
-
-
-def fsdp_unit_types() -> tuple[type, ...]:
-    """torch FSDP's unit classes (FSDP2 ``FSDPModule``, FSDP1 ``FullyShardedDataParallel``);
-    none without an initialised process group (no module can be sharded then, and the FSDP
-    modules are not imported for nothing)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return ()
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    return (FSDPModule, FullyShardedDataParallel)
-
-
-def is_sharded_unit(module: nn.Module) -> bool:
-    """Whether torch FSDP manages ``module`` as one unit (``fully_shard`` applied to it, or a
-    ``FullyShardedDataParallel`` wrapper)."""
-    types = fsdp_unit_types()
-    return bool(types) and isinstance(module, types)
 
 
 def sharding_of(module: nn.Module) -> str:

@@ -46,9 +46,8 @@ from lightning_remat.device import (
     default_budget,
     move_to_device,
     optimizer_state_made,
-    preserved_state,
-    preserved_training_state,
 )
+from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph

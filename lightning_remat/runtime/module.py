@@ -16,6 +16,9 @@ How each stage runs:
 - ``offload``: under saved-tensor hooks that move what autograd saves to host memory
   (:class:`~lightning_remat.runtime.offload.OffloadHooks`);
 - in ``eval()`` or under ``torch.no_grad()`` every stage runs plainly.
+
+Length: the module, its variants and the contexts each stage runs in belong together: the
+contexts read the variant's programs and the module's state on every call.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Training", Euro-Par 2020:
   the copy stream while the bytes fetched and not yet used stay within ``prefetch_bytes``.
   A fetched tensor the backward passed without using is dropped when the window needs room.
   The compute stream waits for a fetch's event only when it uses the tensor.
+
+Length: the offload hooks, the pinned area and the prefetch window share one step's state
+(what is on the host, what is in flight), so they stay in one module.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
-from lightning_remat.streams import DeviceStreams, SimulatedStreams, streams_for
+from lightning_remat.streams import DeviceStreams, SimulatedStreams, pinned_block_bytes, streams_for
 
 __all__ = [
     "OffloadHooks", "OffloadStats", "OffloadedModule", "measure_bandwidth", "pinned_block_bytes",
@@ -195,13 +198,6 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
-
-
-def pinned_block_bytes(nbytes: int) -> int:
-    """What ``torch.empty(nbytes, pin_memory=True)`` takes from the host: CUDA's caching
-    host allocator hands out blocks rounded up to a power of two, and keeps a freed block
-    for reuse instead of returning it."""
-    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:

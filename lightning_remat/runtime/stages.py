@@ -28,6 +28,9 @@ Kept values: a recomputed stage's kept nodes run between the ``begin`` and ``end
 :class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
 stage's selective-checkpoint policy, reads, so their outputs are kept from the forward and
 only the rest of the stage runs again.
+
+Length: compiling stage programs and the region their policy reads are one algorithm over
+the schedule; splitting them would pass the schedule's internals between modules.
 """
 
 from __future__ import annotations
