@@ -274,7 +274,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     elif method.startswith("plan:"):
         # A plan made by plan_all on this model's profile, run by the package's executor.
         from lightning_remat import Plan, apply_plan
-        from lightning_remat.device import preserved_state
+        from lightning_remat.graph.effects import preserved_state
         from lightning_remat.graph.ir import Graph
         from lightning_remat.graph.trace import trace_module
 

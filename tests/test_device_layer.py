@@ -139,7 +139,7 @@ def test_a_batch_size_trial_reads_the_default_budget_once_the_optimizer_state_ex
 
 
 def test_the_training_snapshot_is_kept_on_the_host_and_restored_to_the_device():
-    from lightning_remat.device import preserved_training_state
+    from lightning_remat.graph.effects import preserved_training_state
 
     layer = torch.nn.Linear(4, 4)
     layer(torch.randn(2, 4)).sum().backward()

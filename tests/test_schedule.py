@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_remat.device import preserved_state
+from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.ops import keepable
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
