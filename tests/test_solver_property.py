@@ -68,8 +68,9 @@ def check_any_solver(solver: str, graph: Graph) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), length=st.integers(3, 16))
+# Up to 10 ops: the exact DPs enumerate lower sets, and CI has 2 cores.
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), length=st.integers(3, 10))
 def test_no_solver_crashes_on_a_generated_graph(seed: int, length: int) -> None:
     graph = traced_graph(seed, length)
     for solver in sorted(SOLVERS):
