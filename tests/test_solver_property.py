@@ -5,9 +5,9 @@ The graphs are traced and profiled from the generated models of tests/test_sched
 (Linear, LayerNorm, GELU, in-place ReLU, ``mul_`` and ``add_`` on fresh values, dropout,
 views, a tuple producer, skips, an in-place op on the step's input), of random length.
 For every registered solver, from its smallest budget up to the plain step's, ``solve``
-returns a plan that fits or raises ``RematInfeasibleError``, nothing else. The one other
-refusal is documented: the exact Kusumoto DPs refuse a graph with more lower sets than
-their ``max_lower_sets`` (a ``ValueError`` that says so).
+returns a plan that fits or raises ``RematInfeasibleError``, nothing else. The exact
+Kusumoto DPs decline a graph with more lower sets than their ``max_lower_sets`` with
+``SolverDeclinedError``, a ``RematInfeasibleError`` naming the approximate DP instead.
 
 Such graphs made the simulator raise ``KeyError`` where a recomputed stage kept a view of
 a value it recomputes (a ViT's ``norm_pre``, an Identity, over the recomputed position
@@ -23,12 +23,23 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
-from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
-from lightning_remat.solvers import SOLVERS, Stage, fits, make_plan, min_budget, simulate, solve
+from lightning_remat.planner import remat
+from lightning_remat.solvers import (
+    SOLVERS,
+    Stage,
+    fits,
+    make_plan,
+    min_budget,
+    plain_plan,
+    simulate,
+    solve,
+)
 from lightning_remat.solvers.schedule import make_schedule
 from tests.test_schedule import BATCH, WIDTH, Generated
 from tests.test_solver_contract import BANDWIDTH_BYTES_PER_S, budgets
@@ -50,13 +61,14 @@ def traced_graph(seed: int, length: int) -> Graph:
 
 def check_any_solver(solver: str, graph: Graph) -> None:
     """``min_budget`` answers, and from it up to the plain step's budget ``solve`` returns a
-    valid plan that fits or raises ``RematInfeasibleError``; nothing else (but the exact DPs'
-    documented refusal of a graph too wide for them)."""
+    valid plan that fits or raises ``RematInfeasibleError``; nothing else. The exact DPs
+    decline a graph too wide for them at every budget alike."""
     try:
         least = min_budget(graph, solver)
-    except ValueError as refused:
-        if solver not in EXACT or "lower sets" not in str(refused):
-            raise
+    except SolverDeclinedError as refused:
+        assert solver in EXACT and "lower sets" in str(refused), (solver, refused)
+        with pytest.raises(SolverDeclinedError):
+            solve(graph, plain_plan(graph).guaranteed_peak_bytes, solver)
         return
     for budget in budgets(graph, least):
         try:
@@ -102,3 +114,40 @@ def test_a_kept_view_of_a_recomputed_value_is_what_its_reader_saves() -> None:
     assert recomputed == graph.ids[:6]
     for solver in sorted(SOLVERS):
         check_any_solver(solver, graph)
+
+
+class Wide(nn.Module):
+    """``branches`` Linear layers side by side on the input, stacked: every subset of the
+    branches is a lower set, 2**branches of them."""
+
+    def __init__(self, branches: int) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(branches))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([branch(x) for branch in self.branches]).sum(0)
+
+
+def test_the_exact_dps_decline_a_graph_with_too_many_lower_sets() -> None:
+    """A graph of 18 parallel branches has over 2**18 lower sets, past the exact DPs'
+    100,000: ``min_budget`` and ``solve`` (at any budget) and ``remat`` raise
+    ``SolverDeclinedError``, a ``RematInfeasibleError`` that names the approximate DP
+    instead, never a ``ValueError``; ``auto`` plans the same graph."""
+    torch.manual_seed(0)
+    model = Wide(18)
+    x = torch.randn(BATCH, WIDTH)
+    graph = profile_module(model, x, traced=trace_module(model, (x,)), warmup=0, repeats=1)
+    plain = plain_plan(graph).guaranteed_peak_bytes
+    for solver in sorted(EXACT):
+        with pytest.raises(SolverDeclinedError, match="more than 100000 lower sets") as refused:
+            min_budget(graph, solver)
+        assert refused.value.tried == solver and "'kusumoto-tc'" in str(refused.value)
+        assert refused.value.min_budget_bytes is None
+        for budget in (plain // 2, plain, None):
+            with pytest.raises(RematInfeasibleError, match="declines this graph"):
+                solve(graph, budget, solver)
+    with pytest.raises(SolverDeclinedError, match=r"'kusumoto-exact-tc' declines") as refused:
+        remat(model, x, memory_budget="60%", solver="kusumoto-exact-tc")
+    assert refused.value.budget_bytes > 0  # the budget asked for, as every refusal names it
+    least = min_budget(graph, "auto")
+    assert fits(solve(graph, max(least, plain // 2), "auto"), max(least, plain // 2))
