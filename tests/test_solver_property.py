@@ -18,6 +18,7 @@ freed.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ from tests.test_schedule import BATCH, WIDTH, Generated
 from tests.test_solver_contract import BANDWIDTH_BYTES_PER_S, budgets
 
 EXACT = {"kusumoto-exact-tc", "kusumoto-exact-mc"}
+DATA = Path(__file__).parent / "data"
 
 
 @cache
@@ -87,6 +89,40 @@ def test_no_solver_crashes_on_a_generated_graph(seed: int, length: int) -> None:
     graph = traced_graph(seed, length)
     for solver in sorted(SOLVERS):
         check_any_solver(solver, graph)
+
+
+def check_auto_is_monotone(graph: Graph) -> None:
+    """The smallest budget ``auto`` names is accepted, and so is every larger one up to the
+    plain step's: a user who raises the budget never gets a refusal. Budgets in steps of
+    a hundredth of the range and of 16 bytes at its low end, where the DP's choices change
+    fastest."""
+    least = min_budget(graph, "auto")
+    top = max(least, plain_plan(graph).guaranteed_peak_bytes)
+    steps = set(range(least, top + 1, max(1, (top - least) // 100)))
+    steps |= set(range(least, min(top, least + 1024) + 1, 16)) | {top}
+    for budget in sorted(steps):
+        plan = solve(graph, budget, "auto")  # raises RematInfeasibleError if refused
+        assert fits(plan, budget), (budget, plan.guaranteed_peak_bytes)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), length=st.integers(3, 10))
+def test_auto_accepts_every_budget_from_its_smallest(seed: int, length: int) -> None:
+    check_auto_is_monotone(traced_graph(seed, length))
+
+
+def test_auto_accepts_every_budget_above_a_plan_the_dp_misjudges() -> None:
+    """A generated graph (``Generated(108, 8)``, as profiled once) where the approximate DP's
+    strategy at 2368 B sums a cache of 1344 B that the simulator's liveness puts at 1472 B:
+    it does not fit, where the plan at 2240 B, the smallest budget, does. ``auto`` keeps the
+    smaller budget's plan there rather than refusing a budget above one it accepted."""
+    graph = Graph.load(DATA / "generated_seed108_len8.json")
+    tc = solve(graph, 2240, "kusumoto-tc")
+    with pytest.raises(RematInfeasibleError):  # the DP's own plan at 2368 B
+        solve(graph, 2368, "kusumoto-tc")
+    assert solve(graph, 2368, "auto").guaranteed_peak_bytes == tc.guaranteed_peak_bytes
+    check_auto_is_monotone(graph)
 
 
 def test_a_kept_view_of_a_recomputed_value_is_what_its_reader_saves() -> None:
