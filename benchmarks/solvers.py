@@ -48,6 +48,7 @@ from benchmarks.graphs import (  # noqa: E402
     profiled_graph,
     resnet_like_graph,
 )
+from lightning_remat.errors import SolverDeclinedError  # noqa: E402
 from lightning_remat.graph.ir import Graph  # noqa: E402
 from lightning_remat.solvers import get_solver, kusumoto, min_budget, plain_plan  # noqa: E402
 from lightning_remat.solvers.feng import solve_arbitrary, solve_feng  # noqa: E402
@@ -199,7 +200,7 @@ def compare_model(name: str, graph: Graph, fractions: tuple[float, ...], skip_ex
                     if smallest is None:
                         smallest = min_budget(graph, solver, **options)
                     cells.append(f"min {pct(smallest, plain):>4} {seconds:5.2f}s")
-        except ValueError as exc:
+        except SolverDeclinedError as exc:
             if not exact or "lower sets" not in str(exc):
                 raise
             cells = ["too many lower sets"] * len(budgets)

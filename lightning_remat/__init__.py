@@ -21,7 +21,12 @@ from lightning_remat import registration as _registration
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr__
     from lightning_remat.budget import format_bytes, parse_budget
-    from lightning_remat.errors import RematError, RematInfeasibleError, TraceError
+    from lightning_remat.errors import (
+        RematError,
+        RematInfeasibleError,
+        SolverDeclinedError,
+        TraceError,
+    )
     from lightning_remat.graph.ir import Graph
     from lightning_remat.lightning.batch_size import RematBatchSizeFinder, find_max_batch_size
     from lightning_remat.lightning.fsdp import RematFSDPStrategy
@@ -36,7 +41,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "format_bytes": "budget", "parse_budget": "budget",
-    "RematError": "errors", "RematInfeasibleError": "errors", "TraceError": "errors",
+    "RematError": "errors", "RematInfeasibleError": "errors", "SolverDeclinedError": "errors",
+    "TraceError": "errors",
     "Graph": "graph.ir",
     "RematBatchSizeFinder": "lightning.batch_size", "find_max_batch_size": "lightning.batch_size",
     "MemoryTimelineLogger": "lightning.memory_timeline", "RematFSDPStrategy": "lightning.fsdp",
@@ -51,7 +57,8 @@ _EXPORTS = {
 __all__ = [
     "SOLVERS", "Graph", "MemoryTimelineLogger", "Plan", "RematBatchSizeFinder", "RematDDPStrategy",
     "RematFSDPStrategy",
-    "RematError", "RematInfeasibleError", "RematModule", "RematStrategy", "Stage", "TraceError",
+    "RematError", "RematInfeasibleError", "RematModule", "RematStrategy", "SolverDeclinedError",
+    "Stage", "TraceError",
     "__version__", "apply_plan", "find_max_batch_size", "format_bytes", "min_budget",
     "parse_budget", "remat", "solve",
 ]

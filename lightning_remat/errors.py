@@ -34,6 +34,24 @@ class RematInfeasibleError(RematError):
         super().__init__(message)
 
 
+class SolverDeclinedError(RematInfeasibleError):
+    """The solver does not plan a graph like this one at any budget (the exact Kusumoto DP on
+    a graph with more lower sets than it enumerates): the message says why and which solver
+    to use instead. ``min_budget_bytes`` is None: no budget makes this solver plan it."""
+
+    def __init__(self, budget_bytes: int | None, solver: str, reason: str, instead: str) -> None:
+        self.budget_bytes = int(budget_bytes or 0)
+        self.min_budget_bytes = None
+        self.tried = solver
+        self.reason = reason
+        self.instead = instead
+        RematError.__init__(self, f"solver {solver!r} declines this graph: {reason}; {instead}")
+
+    def for_solver(self, budget_bytes: int | None, solver: str) -> SolverDeclinedError:
+        """The same refusal, naming the solver the user chose and the budget asked for."""
+        return SolverDeclinedError(budget_bytes, solver, self.reason, self.instead)
+
+
 class TraceError(RematError):
     """Neither torch.fx nor checkpointing its submodules in place can describe the module."""
 

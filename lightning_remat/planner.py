@@ -50,7 +50,7 @@ from lightning_remat.device import (
     module_device,
     move_to_device,
 )
-from lightning_remat.errors import RematInfeasibleError, warn_caller
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError, warn_caller
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
@@ -539,6 +539,8 @@ class Planner:
         this very function accepts (:meth:`smallest_budget`), so that budget, given, is."""
         try:
             return self._plan_for(graph, budget, options, per_submodule)
+        except SolverDeclinedError:
+            raise  # no budget makes the solver plan this graph; the error names another
         except RematInfeasibleError as exc:
             assert budget is not None
             least = self.smallest_budget(graph, options, per_submodule)

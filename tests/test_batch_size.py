@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pytorch_lightning.callbacks import BatchSizeFinder
 from pytorch_lightning.tuner import batch_size_scaling
+from torch import nn
 
 from lightning_remat.callbacks import RematBatchSizeFinder
 from lightning_remat.errors import RematInfeasibleError
@@ -561,3 +562,40 @@ def test_the_search_leaves_optunas_log_level_as_it_found_it():
         assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
     finally:
         optuna.logging.set_verbosity(before)
+
+
+class SubmoduleStepNet(SizedConvNet):
+    """A training_step that runs ``self.net(x)``, a submodule, and never the module's own
+    forward (which fx could not trace, and which no step calls)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(self.stem, *self.tail, nn.AdaptiveAvgPool2d(1), nn.Flatten(), self.head)
+
+    def forward(self, x, *args, **kwargs):
+        raise AssertionError("training_step does not call the LightningModule itself")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_a_trial_plans_the_module_training_step_runs(tmp_path):
+    """Under a strategy that plans what training_step runs, a batch-size trial plans the
+    same module: ``self.net`` where the step calls it, not the LightningModule's forward."""
+    from lightning_remat import RematStrategy
+
+    model = SubmoduleStepNet(batch_size=2, channels=8, image=16)
+    captured = {}
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trial = LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                   solver="auto", settings=_search_settings(trainer, 2**30))
+            captured["result"], captured["target"] = trial(8), trial.target
+            raise pl.utilities.exceptions._TunerExitException()
+
+    strategy = RematStrategy(memory_budget="60%", solver="auto", offload=False, cache_dir=tmp_path / "c")
+    small_trainer(tmp_path, max_steps=1, callbacks=[Probe()], strategy=strategy).fit(model)
+    assert captured["target"] is model.net
+    assert captured["result"].feasible and captured["result"].solver.startswith("auto")

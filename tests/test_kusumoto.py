@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.solvers import fits, get_solver, min_budget
 from lightning_remat.solvers.kusumoto import (
@@ -259,8 +260,10 @@ def test_plan_actions_and_stored_values():
 def test_exact_dp_refuses_too_many_lower_sets():
     # 12 independent vertices: 2**12 lower sets.
     graph = Graph([Node(f"v{i}", "op", mem=1, t_fwd=1.0) for i in range(12)], [])
-    with pytest.raises(ValueError, match="more than 1000 lower sets; raise max_lower_sets"):
+    with pytest.raises(SolverDeclinedError, match="more than 1000 lower sets; raise max_lower_sets") as refused:
         solve_exact_tc(graph, 10, max_lower_sets=1000)
+    assert isinstance(refused.value, RematInfeasibleError) and refused.value.min_budget_bytes is None
+    assert "'kusumoto-tc'" in str(refused.value)
     # The approximate DP does not enumerate them.
     assert solve_approx_tc(graph, 100).stages
 

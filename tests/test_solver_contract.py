@@ -11,8 +11,8 @@ solver's smallest budget (:func:`min_budget`) up to the plain step's:
 
 What each solver accepts: any graph of the IR, except that the offloading solvers
 (``offloads=True``) need the host-device bandwidth (``graph.meta.bandwidth_bytes_per_s``,
-a ``ValueError`` says so) and the exact Kusumoto DPs refuse a graph with more lower sets
-than their ``max_lower_sets`` (a ``ValueError`` says so). The offloading solvers and Hong's
+a ``ValueError`` says so) and the exact Kusumoto DPs decline a graph with more lower sets
+than their ``max_lower_sets`` (``SolverDeclinedError``, a ``RematInfeasibleError``). The offloading solvers and Hong's
 work on the graph's chain of articulation stages, so a DAG is accepted by all of them.
 
 The graphs are prefixes of profiled steps (tests/data: a GPT block's LayerNorm, fused qkv

@@ -5,9 +5,9 @@ The graphs are traced and profiled from the generated models of tests/test_sched
 (Linear, LayerNorm, GELU, in-place ReLU, ``mul_`` and ``add_`` on fresh values, dropout,
 views, a tuple producer, skips, an in-place op on the step's input), of random length.
 For every registered solver, from its smallest budget up to the plain step's, ``solve``
-returns a plan that fits or raises ``RematInfeasibleError``, nothing else. The one other
-refusal is documented: the exact Kusumoto DPs refuse a graph with more lower sets than
-their ``max_lower_sets`` (a ``ValueError`` that says so).
+returns a plan that fits or raises ``RematInfeasibleError``, nothing else. The exact
+Kusumoto DPs decline a graph with more lower sets than their ``max_lower_sets`` with
+``SolverDeclinedError``, a ``RematInfeasibleError`` naming the approximate DP instead.
 
 Such graphs made the simulator raise ``KeyError`` where a recomputed stage kept a view of
 a value it recomputes (a ViT's ``norm_pre``, an Identity, over the recomputed position
@@ -18,22 +18,35 @@ freed.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
-from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
-from lightning_remat.solvers import SOLVERS, Stage, fits, make_plan, min_budget, simulate, solve
+from lightning_remat.planner import remat
+from lightning_remat.solvers import (
+    SOLVERS,
+    Stage,
+    fits,
+    make_plan,
+    min_budget,
+    plain_plan,
+    simulate,
+    solve,
+)
 from lightning_remat.solvers.schedule import make_schedule
 from tests.test_schedule import BATCH, WIDTH, Generated
 from tests.test_solver_contract import BANDWIDTH_BYTES_PER_S, budgets
 
 EXACT = {"kusumoto-exact-tc", "kusumoto-exact-mc"}
+DATA = Path(__file__).parent / "data"
 
 
 @cache
@@ -50,13 +63,14 @@ def traced_graph(seed: int, length: int) -> Graph:
 
 def check_any_solver(solver: str, graph: Graph) -> None:
     """``min_budget`` answers, and from it up to the plain step's budget ``solve`` returns a
-    valid plan that fits or raises ``RematInfeasibleError``; nothing else (but the exact DPs'
-    documented refusal of a graph too wide for them)."""
+    valid plan that fits or raises ``RematInfeasibleError``; nothing else. The exact DPs
+    decline a graph too wide for them at every budget alike."""
     try:
         least = min_budget(graph, solver)
-    except ValueError as refused:
-        if solver not in EXACT or "lower sets" not in str(refused):
-            raise
+    except SolverDeclinedError as refused:
+        assert solver in EXACT and "lower sets" in str(refused), (solver, refused)
+        with pytest.raises(SolverDeclinedError):
+            solve(graph, plain_plan(graph).guaranteed_peak_bytes, solver)
         return
     for budget in budgets(graph, least):
         try:
@@ -75,6 +89,40 @@ def test_no_solver_crashes_on_a_generated_graph(seed: int, length: int) -> None:
     graph = traced_graph(seed, length)
     for solver in sorted(SOLVERS):
         check_any_solver(solver, graph)
+
+
+def check_auto_is_monotone(graph: Graph) -> None:
+    """The smallest budget ``auto`` names is accepted, and so is every larger one up to the
+    plain step's: a user who raises the budget never gets a refusal. Budgets in steps of
+    a hundredth of the range and of 16 bytes at its low end, where the DP's choices change
+    fastest."""
+    least = min_budget(graph, "auto")
+    top = max(least, plain_plan(graph).guaranteed_peak_bytes)
+    steps = set(range(least, top + 1, max(1, (top - least) // 100)))
+    steps |= set(range(least, min(top, least + 1024) + 1, 16)) | {top}
+    for budget in sorted(steps):
+        plan = solve(graph, budget, "auto")  # raises RematInfeasibleError if refused
+        assert fits(plan, budget), (budget, plan.guaranteed_peak_bytes)
+
+
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), length=st.integers(3, 10))
+def test_auto_accepts_every_budget_from_its_smallest(seed: int, length: int) -> None:
+    check_auto_is_monotone(traced_graph(seed, length))
+
+
+def test_auto_accepts_every_budget_above_a_plan_the_dp_misjudges() -> None:
+    """A generated graph (``Generated(108, 8)``, as profiled once) where the approximate DP's
+    strategy at 2368 B sums a cache of 1344 B that the simulator's liveness puts at 1472 B:
+    it does not fit, where the plan at 2240 B, the smallest budget, does. ``auto`` keeps the
+    smaller budget's plan there rather than refusing a budget above one it accepted."""
+    graph = Graph.load(DATA / "generated_seed108_len8.json")
+    tc = solve(graph, 2240, "kusumoto-tc")
+    with pytest.raises(RematInfeasibleError):  # the DP's own plan at 2368 B
+        solve(graph, 2368, "kusumoto-tc")
+    assert solve(graph, 2368, "auto").guaranteed_peak_bytes == tc.guaranteed_peak_bytes
+    check_auto_is_monotone(graph)
 
 
 def test_a_kept_view_of_a_recomputed_value_is_what_its_reader_saves() -> None:
@@ -134,3 +182,40 @@ def test_a_view_past_an_inplace_op_run_out_of_place_lives_in_its_new_storage() -
     assert simulate(graph, plan).peak_bytes > 0
     for solver in sorted(SOLVERS):
         check_any_solver(solver, graph)
+
+
+class Wide(nn.Module):
+    """``branches`` Linear layers side by side on the input, stacked: every subset of the
+    branches is a lower set, 2**branches of them."""
+
+    def __init__(self, branches: int) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(branches))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([branch(x) for branch in self.branches]).sum(0)
+
+
+def test_the_exact_dps_decline_a_graph_with_too_many_lower_sets() -> None:
+    """A graph of 18 parallel branches has over 2**18 lower sets, past the exact DPs'
+    100,000: ``min_budget`` and ``solve`` (at any budget) and ``remat`` raise
+    ``SolverDeclinedError``, a ``RematInfeasibleError`` that names the approximate DP
+    instead, never a ``ValueError``; ``auto`` plans the same graph."""
+    torch.manual_seed(0)
+    model = Wide(18)
+    x = torch.randn(BATCH, WIDTH)
+    graph = profile_module(model, x, traced=trace_module(model, (x,)), warmup=0, repeats=1)
+    plain = plain_plan(graph).guaranteed_peak_bytes
+    for solver in sorted(EXACT):
+        with pytest.raises(SolverDeclinedError, match="more than 100000 lower sets") as refused:
+            min_budget(graph, solver)
+        assert refused.value.tried == solver and "'kusumoto-tc'" in str(refused.value)
+        assert refused.value.min_budget_bytes is None
+        for budget in (plain // 2, plain, None):
+            with pytest.raises(RematInfeasibleError, match="declines this graph"):
+                solve(graph, budget, solver)
+    with pytest.raises(SolverDeclinedError, match=r"'kusumoto-exact-tc' declines") as refused:
+        remat(model, x, memory_budget="60%", solver="kusumoto-exact-tc")
+    assert refused.value.budget_bytes > 0  # the budget asked for, as every refusal names it
+    least = min_budget(graph, "auto")
+    assert fits(solve(graph, max(least, plain // 2), "auto"), max(least, plain // 2))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_remat import remat
-from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import plain_peak_bytes
 from lightning_remat.solvers import SOLVERS, min_budget, solve
@@ -135,8 +135,8 @@ def test_a_transformers_model_is_captured_by_export_and_planned_at_half_its_plai
 @pytest.mark.parametrize("name", list(MODELS))
 def test_no_solver_crashes_on_a_captured_transformers_graph(name: str, planned: dict[str, Any]) -> None:
     """Every solver, from its smallest budget to the plain peak: a plan, or
-    RematInfeasibleError. The exact DPs refuse a graph with more lower sets than their
-    limit, naming the approximate ones (a ValueError that says what to do)."""
+    RematInfeasibleError. The exact DPs decline a graph with more lower sets than their
+    limit, naming the approximate ones (SolverDeclinedError, a RematInfeasibleError)."""
     graph = _planned(planned, name)[3].graph
     plain = plain_peak_bytes(graph)
     for solver, entry in SOLVERS.items():
@@ -144,7 +144,7 @@ def test_no_solver_crashes_on_a_captured_transformers_graph(name: str, planned: 
             continue  # the CPU offloads nothing (the planner refuses them there)
         try:
             lowest = min_budget(graph, solver)
-        except ValueError as refused:
+        except SolverDeclinedError as refused:
             assert solver.startswith("kusumoto-exact") and "lower sets" in str(refused), (solver, refused)
             continue
         except RematInfeasibleError:

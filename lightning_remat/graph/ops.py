@@ -86,13 +86,25 @@ def keepable(op: Any) -> bool:
     must be the tensor it modified in the recomputation too, and a kept view holds its
     base's whole storage, which may be a value the plan recomputes), not random (a kept
     random op draws nothing in the recomputation, which would shift every later draw of the
-    stage), and only ops that return tensors (a profiler range opened inside a kept node has
-    nothing to keep)."""
+    stage), only ops that return tensors (a profiler range opened inside a kept node has
+    nothing to keep), and not an allocation of uninitialised memory (``empty_like`` and its
+    kin): the next ops fill it in place (dropout's mask: ``empty_like`` then ``bernoulli_``,
+    inside ``nn.Dropout`` and ``nn.MultiheadAttention``), so what the forward kept would be
+    the tensor after those writes, which ``torch.utils.checkpoint``'s selective
+    checkpointing refuses as mutated; it is allocated again in the recomputation, at no
+    cost."""
     known = _KEEPABLE.get(op)
     if known is None:
         aliases = any(r.alias_info is not None for r in op._schema.returns)
-        known = _KEEPABLE[op] = _returns_tensors(op._schema) and not (aliases or draws_random(op))
+        uninitialised = op._schema.name.rpartition("::")[2] in _UNINITIALISED
+        known = _KEEPABLE[op] = _returns_tensors(op._schema) and not (
+            aliases or draws_random(op) or uninitialised)
     return known
+
+
+_UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided",
+                            "new_empty_strided", "empty_permuted"})
+"""aten ops that return uninitialised memory, which the ops after them write in place."""
 
 
 def _returns_tensors(schema: Any) -> bool:

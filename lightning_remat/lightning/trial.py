@@ -83,9 +83,9 @@ class SearchSettings:
 class _Captured(Exception):
     """Raised by a temporary forward to capture the arguments of the first call."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, args: tuple, kwargs: dict, module: nn.Module | None = None) -> None:
         super().__init__("captured")
-        self.args, self.kwargs = args, kwargs
+        self.args, self.kwargs, self.module = args, kwargs, module
 
 
 @contextlib.contextmanager
@@ -178,7 +178,11 @@ class LightningTrial:
         self.settings = settings
         self.budget_bytes = settings.budget_bytes
         strategy = trainer.strategy
-        # The strategy's own choice (under remat_fsdp the outermost sharded unit).
+        # The strategy's own choice (under remat_fsdp the outermost sharded unit); where it
+        # plans what training_step runs, the module the step runs, found by
+        # :meth:`_capture_call` from the step itself as the strategy finds it.
+        self._detect = (isinstance(strategy, RematHooks) and not strategy.target
+                        and strategy.plans_what_the_step_runs)
         self.target = strategy.target_module(model) if isinstance(strategy, RematHooks) else (
             model.get_submodule(settings.target) if settings.target else model)
         self.device = strategy.root_device
@@ -217,17 +221,30 @@ class LightningTrial:
         return loss_of
 
     def _capture_call(self, batch: Any) -> tuple[tuple, dict]:
+        """The arguments of the target's first call in ``training_step``. Where the strategy
+        plans what the step runs, the target is first set to the outermost module the step
+        calls in training mode with grad, the module the strategy's first step plans (its
+        ``self(x)``, ``self.model(x)``); with several called in turn, the first of them."""
         def capture(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-            raise _Captured(args, kwargs)
+            if not self._detect or (module.training and torch.is_grad_enabled()):
+                raise _Captured(args, kwargs, module)
 
-        # A pre-hook ahead of any other (an FSDP unit's would gather its parameters first).
-        handle = self.target.register_forward_pre_hook(capture, prepend=True, with_kwargs=True)
+        planned = getattr(self.trainer.strategy, "_planned_modules", None) or {}
+        if self._detect and planned:
+            self.target, self._detect = next(iter(planned.values())), False  # found by its fit
+        modules = [m for _, m in self.model.named_modules()] if self._detect else [self.target]
+        # A pre-hook ahead of any other (an FSDP unit's would gather its parameters first);
+        # an outer module's pre-hooks run before those of the modules its forward calls.
+        handles = [m.register_forward_pre_hook(capture, prepend=True, with_kwargs=True) for m in modules]
         try:
             self.model.training_step(batch, 0)
         except _Captured as call:
+            if self._detect and call.module is not None:
+                self.target, self._detect = call.module, False
             return call.args, call.kwargs
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         raise RuntimeError(
             "training_step never called the module being planned; pass target= naming the "
             "submodule that training_step runs"

@@ -2,7 +2,10 @@
 
 Every solver has the signature ``solver(graph, budget_bytes, **options) -> Plan``; a budget
 of ``None`` means no limit. A solver that cannot meet the budget returns its best plan with
-``feasible=False`` rather than raising, so callers can report how far off it was.
+``feasible=False`` rather than raising, so callers can report how far off it was. A solver
+that does not plan a graph of this kind at any budget (the exact Kusumoto DP past its
+``max_lower_sets``) raises :class:`~lightning_remat.errors.SolverDeclinedError`, a
+``RematInfeasibleError`` with no smallest budget, naming what to use instead.
 
 :data:`SOLVERS` is the one registry: a :class:`SolverEntry` per name holding the solver,
 its own smallest-budget function, whether its plans offload, and the paper it implements.
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import auto, beaumont, chen, feng, hong, kusumoto
 from lightning_remat.solvers.plan import Plan, Stage
@@ -141,7 +144,10 @@ def fits(plan: Plan, budget_bytes: int | None) -> bool:
 def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **options: Any) -> Plan:
     """Plan for a budget; raise RematInfeasibleError (with the smallest feasible budget)
     when the solver's plan does not fit it (see :func:`fits`)."""
-    plan = get_solver(solver)(graph, budget_bytes, **options)
+    try:
+        plan = get_solver(solver)(graph, budget_bytes, **options)
+    except SolverDeclinedError as declined:
+        raise declined.for_solver(budget_bytes, solver) from None
     if not fits(plan, budget_bytes):
         raise RematInfeasibleError(budget_bytes or 0, min_budget(graph, solver, **options), solver)
     return plan
@@ -151,8 +157,16 @@ def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
     """The smallest budget for which ``solver`` returns a plan that :func:`fits`, by binary
     search over bytes (feasibility is monotone in the budget for the solvers here). Where a
     solver has its own smallest budget, its answer is taken when the plan there fits, and is
-    otherwise a lower bound for the search."""
-    entry = solver_entry(solver)
+    otherwise a lower bound for the search. A solver that does not plan the graph at any
+    budget raises :class:`~lightning_remat.errors.SolverDeclinedError` (a
+    ``RematInfeasibleError``) saying why and what to use instead."""
+    try:
+        return _min_budget(graph, solver_entry(solver), **options)
+    except SolverDeclinedError as declined:
+        raise declined.for_solver(None, solver) from None
+
+
+def _min_budget(graph: Graph, entry: SolverEntry, **options: Any) -> int:
     fn, own = entry.solve, entry.min_budget
     lo = 0  # infeasible (no step fits in zero bytes unless the graph is empty)
     if own is not None:

@@ -11,11 +11,15 @@ offloading.
    (:func:`lightning_remat.solvers.beaumont.solve_dynprog`) on the memory-centric plan's
    stages, where offloading is allowed (not on a device without memory of its own apart
    from the host's, such as the CPU);
-4. otherwise the memory-centric plan at the DP's smallest budget, marked infeasible, so
+4. if still none, and the budget is at least the smallest one ``auto`` names
+   (:func:`min_budget_solve_auto`): the plan that budget was named for, which fits every
+   larger budget, so acceptance is monotone in the budget from there up;
+5. otherwise the memory-centric plan at the DP's smallest budget, marked infeasible, so
    ``solve`` raises ``RematInfeasibleError`` naming the smallest budget ``auto`` accepts.
 
-No budget is scanned or bisected, and no other solver's plan is pooled: a DP-feasible plan
-fits by construction (its stage memory bounds the simulator's, margin included). Feng's,
+No budget is scanned or bisected, and no other solver's plan is pooled. A DP-feasible plan
+fits where the simulator's peak is the DP's; where the simulator's liveness finds more than
+the DP's summed cache, step 4 keeps the smallest budget's plan. Feng's,
 Hong's and Chen's solvers stay available by name. The plan's ``solver`` names the step that
 produced it (``"auto:kusumoto-tc"``, ``"auto:kusumoto-mc"``, ``"auto:dynprog"``) and its
 ``notes`` say why earlier steps failed.
@@ -48,25 +52,45 @@ def _fits(plan: Plan, budget: int) -> bool:
 
 
 def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
-    """TC, then MC, then DynProg offloading, then the least-memory plan marked infeasible
-    (module doc). ``options``: ``max_lower_sets`` and ``time_steps`` reach the Kusumoto
-    solvers; ``offload_options`` (a dict) reaches the offloading solver;
-    ``allow_offload=False`` stops the chain before offloading."""
+    """TC, then MC, then DynProg offloading, then the plan :func:`min_budget_solve_auto`
+    names its budget for, then the least-memory plan marked infeasible (module doc).
+    ``options``: ``max_lower_sets`` and ``time_steps`` reach the Kusumoto solvers;
+    ``offload_options`` (a dict) reaches the offloading solver; ``allow_offload=False``
+    stops the chain before offloading."""
     kusumoto_options = _kusumoto_options(options)
     if budget_bytes is None:
         return _label(solve_approx_tc(graph, None, **kusumoto_options), "auto:kusumoto-tc", [], True)
-    budget = budget_bytes
+    plan, notes, mc = _chain(graph, budget_bytes, options)
+    if plan is not None:
+        return plan
+    # The DPs' stage memory is the simulator's stage by stage, but the cache between stages
+    # is summed (Kusumoto et al. 2019, eq. 2's form), which the simulator's liveness can
+    # exceed: a strategy the DP takes at a larger budget may then not fit where a smaller
+    # budget's did. The plans the smallest budget was named for fit every larger budget, so
+    # acceptance is monotone from it up to the plain step.
+    for least, anchor in _anchors(graph, options, budget_bytes):
+        if least <= budget_bytes:
+            notes.append(f"the plan for the smallest budget auto names ({least} bytes) fits")
+            return _label(anchor, anchor.solver, notes, True)
+    notes.append("nothing fits; returning the memory-centric plan at the DP's smallest budget")
+    return _label(mc, "auto:kusumoto-mc", notes, False)
+
+
+def _chain(graph: Graph, budget: int, options: dict[str, Any]) -> tuple[Plan | None, list[str], Plan]:
+    """Steps 1 to 3 of the module doc at ``budget``: the first plan that fits (labelled), or
+    None; the notes saying why each earlier step failed; the memory-centric plan."""
+    kusumoto_options = _kusumoto_options(options)
     notes: list[str] = []
 
     tc = solve_approx_tc(graph, budget, **kusumoto_options)
     if _fits(tc, budget):
-        return _label(tc, "auto:kusumoto-tc", notes, True)
-    notes.append(f"kusumoto-tc found no strategy within {budget} bytes")
+        return _label(tc, "auto:kusumoto-tc", notes, True), notes, tc
+    notes.append(f"kusumoto-tc found no strategy that fits {budget} bytes")
 
     mc = solve_approx_mc(graph, budget, **kusumoto_options)
     if _fits(mc, budget):
-        return _label(mc, "auto:kusumoto-mc", notes, True)
-    notes.append(f"kusumoto-mc found no strategy within {budget} bytes")
+        return _label(mc, "auto:kusumoto-mc", notes, True), notes, mc
+    notes.append(f"kusumoto-mc found no strategy that fits {budget} bytes")
 
     if not options.get("allow_offload", True):
         notes.append("dynprog skipped: offloading is off (allow_offload=False; the planner turns "
@@ -82,11 +106,46 @@ def solve_auto(graph: Graph, budget_bytes: int | None, **options: Any) -> Plan:
             notes.append(f"dynprog skipped: {exc}")
         else:
             if _fits(offloaded, budget):
-                return _label(offloaded, "auto:dynprog", notes, True)
+                return _label(offloaded, "auto:dynprog", notes, True), notes, mc
             notes.append("dynprog failed: offloading does not meet the budget either")
+    return None, notes, mc
 
-    notes.append("nothing fits; returning the memory-centric plan at the DP's smallest budget")
-    return _label(mc, "auto:kusumoto-mc", notes, False)
+
+def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -> list[tuple[int, Plan]]:
+    """(budget, plan) for each smallest budget auto can name, the plan fitting it: the
+    approximate TC DP's plan at its smallest budget (where the simulator finds more than the
+    DP there, the smallest budget up to that plan's peak whose TC plan fits it), and, where offloading is
+    allowed, the chain's plan at DynProg's smallest budget where it fits there. Given a
+    ``budget`` below every one of them, none (without solving anything)."""
+    kusumoto_options = _kusumoto_options(options)
+    lo = int(min_budget_solve_approx_tc(graph, **kusumoto_options))
+    offload = None
+    if options.get("allow_offload", True):
+        try:
+            offload = int(min_budget_solve_dynprog(graph, **dict(options.get("offload_options", {}))))
+        except ValueError:
+            offload = None  # offloading cannot be planned without a bandwidth
+    if budget is not None and budget < min(lo, lo if offload is None else offload):
+        return []
+    tc = solve_approx_tc(graph, lo, **kusumoto_options)
+    hi = max(lo, tc.guaranteed_peak_bytes)
+    if hi > lo:
+        # The DP's plan at its smallest budget needs more by the simulator: the smallest
+        # budget between whose own TC plan fits it (``tc`` fits ``hi``).
+        lo = lo - 1
+        while hi - lo > max(1, hi // 100_000):
+            mid = (lo + hi) // 2
+            candidate = solve_approx_tc(graph, mid, **kusumoto_options)
+            if _fits(candidate, mid):
+                hi, tc = mid, candidate
+            else:
+                lo = mid
+    anchors = [(hi, _label(tc, "auto:kusumoto-tc", [], True))]
+    if offload is not None and offload < anchors[0][0]:
+        plan = _chain(graph, offload, options)[0]
+        if plan is not None:
+            anchors.insert(0, (offload, plan))
+    return anchors
 
 
 def _label(plan: Plan, name: str, notes: list[str], fits: bool) -> Plan:
@@ -97,15 +156,8 @@ def _label(plan: Plan, name: str, notes: list[str], fits: bool) -> Plan:
 
 
 def min_budget_solve_auto(graph: Graph, **options: Any) -> int:
-    """The smallest budget :func:`solve_auto` accepts: the approximate DP's own smallest
-    budget (its plan there fits by construction), or DynProg's smallest budget where
-    offloading is allowed and ``solve_auto`` accepts it."""
-    least = min_budget_solve_approx_tc(graph, **_kusumoto_options(options))
-    if options.get("allow_offload", True):
-        try:
-            offload = int(min_budget_solve_dynprog(graph, **dict(options.get("offload_options", {}))))
-        except ValueError:
-            offload = None  # offloading cannot be planned without a bandwidth
-        if offload is not None and offload < least and solve_auto(graph, offload, **options).feasible:
-            return offload
-    return int(least)
+    """The smallest budget :func:`solve_auto` is sure to accept, with every larger one: the
+    approximate DP's own smallest budget (or the guaranteed peak of its plan there, where
+    the simulator finds more), or DynProg's smallest budget where offloading is allowed and
+    the chain's plan fits it."""
+    return int(_anchors(graph, options)[0][0])

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_remat.errors import SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.kusumoto.bits import all_lower_sets, approximate_sets, graph_bits
 from lightning_remat.solvers.kusumoto.family import LowerSetFamily
@@ -210,7 +211,10 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
     if time_steps < 1:
         raise ValueError(f"time_steps={time_steps} must be at least 1")
     name = "kusumoto-" + ("exact-" if exact else "") + objective
-    family = _family(graph, exact, max_lower_sets)
+    try:
+        family = _family(graph, exact, max_lower_sets)
+    except SolverDeclinedError as declined:
+        raise declined.for_solver(budget, name) from None
     notes: list[str] = []
     if not family.bits.integer_times:
         notes.append(f"times bucketed in steps of total forward time / {time_steps}")
@@ -308,8 +312,9 @@ def solve_approx_mc(graph: Graph, budget_bytes: int | None, *,
 def solve_exact_tc(graph: Graph, budget_bytes: int | None, *,
                    max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
                    time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
-    """Exact DP (section 4.2, all lower sets), time-centric. Raises ValueError when the
-    graph has more than ``max_lower_sets`` lower sets."""
+    """Exact DP (section 4.2, all lower sets), time-centric. Declines a graph with more than
+    ``max_lower_sets`` lower sets (:class:`~lightning_remat.errors.SolverDeclinedError`, a
+    ``RematInfeasibleError`` naming the approximate DP instead)."""
     return _solve(graph, budget_bytes, exact=True, objective="tc",
                   max_lower_sets=max_lower_sets, time_steps=time_steps)
 
@@ -323,10 +328,13 @@ def solve_exact_mc(graph: Graph, budget_bytes: int | None, *,
 
 
 def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,
-                **_: Any) -> int:
+                name: str = "kusumoto", **_: Any) -> int:
     if len(graph) == 0:
         return 0
-    family = _family(graph, exact, max_lower_sets)
+    try:
+        family = _family(graph, exact, max_lower_sets)
+    except SolverDeclinedError as declined:
+        raise declined.for_solver(None, name) from None
     tighter = None if exact else _tighter_family(graph, family)
     return (tighter or family).min_budget() + model_margin(graph)
 
@@ -343,10 +351,11 @@ def min_budget_solve_approx_mc(graph: Graph, **options: Any) -> int:
 
 
 def min_budget_solve_exact_tc(graph: Graph, **options: Any) -> int:
-    """Smallest budget for which any canonical strategy exists (exact DP)."""
-    return _min_budget(graph, exact=True, **options)
+    """Smallest budget for which any canonical strategy exists (exact DP); declines a graph
+    with more than ``max_lower_sets`` lower sets, as :func:`solve_exact_tc` does."""
+    return _min_budget(graph, exact=True, name="kusumoto-exact-tc", **options)
 
 
 def min_budget_solve_exact_mc(graph: Graph, **options: Any) -> int:
     """See :func:`min_budget_solve_exact_tc`."""
-    return _min_budget(graph, exact=True, **options)
+    return _min_budget(graph, exact=True, name="kusumoto-exact-mc", **options)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_remat.errors import SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import random_vertices
 from lightning_remat.solvers.schedule import data_edges
@@ -138,9 +139,13 @@ def all_lower_sets(bits: GraphBits, max_lower_sets: int) -> list[int]:
         bit = 1 << i
         sets += [s | bit for s in sets if pred & ~s == 0]
         if len(sets) > max_lower_sets:
-            raise ValueError(
-                f"the graph ({bits.n} vertices) has more than {max_lower_sets} lower sets; "
-                "raise max_lower_sets or use the approximate DP (solver 'kusumoto-tc' / "
-                "'kusumoto-mc')"
+            # The exact DP's tables grow with the family, which grows exponentially in the
+            # graph's width (Kusumoto et al. 2019, section 4.3): decline rather than run
+            # for hours or exhaust memory.
+            raise SolverDeclinedError(
+                None, "kusumoto-exact",
+                f"the graph ({bits.n} vertices) has more than {max_lower_sets} lower sets",
+                "raise max_lower_sets, or use the approximate DP over n + 2 lower sets "
+                "(solver 'auto', 'kusumoto-tc' or 'kusumoto-mc')",
             )
     return sets
