@@ -302,7 +302,7 @@ class RematModule(nn.Module):
                 # Selective checkpointing imports sympy on first use, which adds a warning
                 # filter: the filters are restored (the library changes no global state).
                 guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
-                region = KeptRegion() if program.kept_boundary else None
+                region = KeptRegion() if program.selective else None
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
                         program.fn, self, *([region] if region else []), *inputs,
@@ -317,7 +317,7 @@ class RematModule(nn.Module):
                     hooks.reserve(*plan_offload_bytes(variant.graph, variant.plan))
                 with hooks:
                     outputs = program.fn(self, *inputs)
-            elif program.kept_boundary:  # its code marks the kept nodes of a region
+            elif program.selective:  # its code marks the kept nodes of a region
                 outputs = program.fn(self, KeptRegion(), *inputs)
             else:
                 outputs = program.fn(self, *inputs)
@@ -503,7 +503,7 @@ def build_variant(
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if graph is None:
         graph = fx_vertex_graph(gm, plan, charge)
-    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
+    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge, graph)
     stages.output = with_output_containers(stages.output, output_spec)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
 

@@ -50,12 +50,13 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.graph.effects import state_write_target
+from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.solvers.schedule import Schedule
+from lightning_remat.solvers.schedule import Schedule, ScheduleParts
 
 __all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
-           "call_out_of_place", "compile_stages",
+           "call_out_of_place", "compile_stages", "saving_ops",
            "rebuild_output", "with_output_containers"]
 
 # ---------------------------------------------------------------------------------------
@@ -239,6 +240,13 @@ class StageProgram:
     and not run again (the schedule's ``kept``, docs/design.md section 5). The stage's code
     then takes a :class:`KeptRegion` after ``self`` and marks each such node's code with its
     ``begin``/``end``."""
+    selective: bool = False
+    """Whether the stage's recomputation runs under its selective-checkpoint policy
+    (:func:`boundary_policy`), whose code then takes the :class:`KeptRegion`. A recomputed
+    stage whose kept nodes save nothing for the backward and follow every node that does
+    runs under plain checkpoint instead: its recomputation stops at the last saved tensor
+    (torch's early stop), before any kept node, so nothing kept runs again, and no op of
+    its forward or recomputation passes a Python dispatch mode (docs/design.md section 5)."""
     stage_graph: fx.Graph | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -248,6 +256,8 @@ class StageProgram:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A program pickled before ``selective`` existed took its region wherever it kept.
+        state.setdefault("selective", bool(state.get("kept_boundary")))
         self.__dict__.update(state)
         if self.fn is None and self.stage_graph is not None:
             self.source, self.fn = _compile_stage(self.stage_graph, self.index)
@@ -266,9 +276,11 @@ def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[...
 def _build_programs(
     graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
     members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
+    saving: dict[str, bool] | None = None, charge: dict[str, str] | None = None,
 ) -> tuple[list[StageProgram], Any]:
     """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
-    outputs a recomputed stage keeps), with the action the schedule gives it."""
+    outputs a recomputed stage keeps; ``saving``: :func:`saving_ops`), with the action the schedule gives it."""
+    charge = charge or {}
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def value_stage(node: fx.Node) -> int:
@@ -305,7 +317,8 @@ def _build_programs(
                 inputs.append(arg.name)
             return env[arg.name]
 
-        kept = kept_nodes[k]
+        selective = bool(kept_nodes[k]) and _needs_policy(stage_nodes, kept_nodes[k], saving, charge)
+        kept = kept_nodes[k] if selective else set()
         # Placeholders first: fx wants them at the top of the graph.
         region = stage_graph.placeholder("_remat_region") if kept else None
         for node in stage_nodes:
@@ -348,7 +361,8 @@ def _build_programs(
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             written_state=sorted(set(written)), called_modules=sorted(set(called)),
-            kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
+            kept_boundary=[n.name for n in stage_nodes if n.name in kept_nodes[k]],
+            selective=selective, stage_graph=stage_graph,
         ))
     output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
     return programs, output_structure
@@ -360,6 +374,52 @@ def _kept_nodes(stage_nodes: list[fx.Node], kept_vertices: frozenset[str],
     schedule's kept vertices, a tuple producer (``chunk``) with the vertex the trace charges
     it to."""
     return {n.name for n in stage_nodes if charge.get(n.name, n.name) in kept_vertices}
+
+
+def saving_ops(graph: Graph) -> dict[str, bool] | None:
+    """The vertices of a profiled ``graph`` whose ops save tensors for the backward, each
+    mapped to whether it saves only tensors that exist before it runs (its inputs, the
+    step's inputs, other vertices' outputs, parameters: autograd packs those before the
+    kernel runs), not its own output nor a tensor it makes inside (a norm's statistics).
+    None where the profile did not record what each op saves."""
+    meta = graph.meta
+    if meta.saved_refs is None:
+        return None
+    saving = ScheduleParts.of(graph).saving
+    inputs = meta.saved_input_bytes or {}
+    ids = set(graph.ids)
+
+    def before_kernel(v: str) -> bool:
+        refs = meta.saved_refs.get(v) or []
+        if v in refs or any(r not in ids for r in refs):
+            return False
+        return graph[v].saved - sum(graph[r].mem for r in refs) - inputs.get(v, 0) <= 0
+
+    return {v: before_kernel(v) for v in saving}
+
+
+def _needs_policy(stage_nodes: list[fx.Node], kept: set[str], saving: dict[str, bool] | None,
+                  charge: dict[str, str]) -> bool:
+    """Whether a recomputed stage needs its selective-checkpoint policy to keep ``kept``
+    (its kept nodes) from running again. Without it, torch's non-reentrant checkpoint
+    recomputes the stage in order and stops when the last tensor its forward saved is
+    packed again. So no kept node runs again when every kept node comes at or after the
+    stage's last saving node (``saving``: :func:`saving_ops`; None: unknown) and that node,
+    if kept, saves only tensors that exist before its kernel runs (a boundary Linear: its
+    input is packed, then the recomputation stops), the ones after it saving nothing (a
+    residual add, a concatenation, a view). Under
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` such a stage runs again
+    whole, as the user asked of checkpoint."""
+    if saving is None:
+        return True
+    vertex = [charge.get(n.name, n.name) for n in stage_nodes]
+    last = max((i for i, v in enumerate(vertex) if v in saving), default=-1)
+    for i, node in enumerate(stage_nodes):
+        if node.name not in kept:
+            continue
+        if i < last or (i == last and not saving[vertex[i]]):
+            return True
+    return False
 
 
 class KeptRegion:
@@ -499,13 +559,16 @@ class CompiledStages:
 
 def compile_stages(
     graph: fx.Graph, plan: Plan, owner: nn.Module, schedule: Schedule,
-    charge: dict[str, str] | None = None,
+    charge: dict[str, str] | None = None, profile: Graph | None = None,
 ) -> CompiledStages:
     """The stage programs of ``graph`` (a traced forward; ``plan``'s vertex ids are its node
     names, or ``charge`` maps node names to vertex ids) run by ``owner``, doing what
     ``schedule`` (``plan`` compiled on the vertex graph, ``solvers.schedule``) says: its
-    in-place ops rewritten out of place, its kept values kept. ``graph`` itself is not
-    changed."""
+    in-place ops rewritten out of place, its kept values kept. ``profile``: the profiled
+    vertex graph the plan was made on, whose record of what each op saves
+    (:func:`saving_ops`) lets a recomputed stage whose kept values would not run again
+    anyway run without a selective-checkpoint policy (:attr:`StageProgram.selective`);
+    None: every recomputed stage with kept values runs under it. ``graph`` itself is not changed."""
     if not plan.stages:
         raise ValueError("the plan has no stages")
     if len(schedule.stages) != len(plan.stages):
@@ -520,6 +583,7 @@ def compile_stages(
         if node.name in stage:
             members[stage[node.name]].append(node)
     kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
-    programs, output = _build_programs(graph, stage, owner, members, schedule, kept)
+    saving = saving_ops(profile) if profile is not None else None
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept, saving, charge)
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
     return CompiledStages(programs, output, placeholders, rewritten)

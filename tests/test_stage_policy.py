@@ -1,0 +1,92 @@
+"""A recomputed stage whose kept values would not run again anyway (its last saving op, a
+Linear, packs only its input; a residual add after it saves nothing) runs under plain
+checkpoint, without the selective-checkpoint policy's Python dispatch on every op: its kept
+ops still do not run again, and its gradients equal plain training's (docs/design.md
+section 5)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.trace import trace_module
+from lightning_remat.runtime.module import apply_plan
+from lightning_remat.runtime.stages import saving_ops
+from lightning_remat.solvers.plan import Stage
+from lightning_remat.solvers.scoring import make_plan
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(self.act(self.fc1(x)))))
+
+
+class CountMatmuls(TorchDispatchMode):
+    """Counts the forward matmuls (``addmm``) that run; a Linear's backward runs ``mm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addmm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.addmm.default:
+            self.addmm += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_stage_whose_kept_linear_stops_the_recomputation_runs_without_the_policy() -> None:
+    torch.manual_seed(0)
+    model = Block()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    graph = profile_module(model, (x,), repeats=1)
+    saving = saving_ops(graph)
+    assert saving is not None and saving["fc2"] and not saving["tanh"], saving
+    traced = trace_module(model, (x,), {})
+    ids = graph.ids
+    cut = ids.index("fc2") + 1
+    plan = make_plan(graph, [Stage(ids[:cut], "recompute"), Stage(ids[cut:], "keep")], "test")
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    program = remat_model.current.stages.programs[0]
+    assert program.kept_boundary == ["fc2"] and not program.selective
+
+    loss = remat_model(x).sum()
+    counter = CountMatmuls()
+    with counter:
+        loss.backward()
+    assert counter.addmm == 1, "the recomputation runs fc1 again, not the kept fc2"
+    plain(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_kept_op_that_saves_its_own_output_keeps_the_policy() -> None:
+    """tanh saves its output: kept at the end of a recomputed stage, plain checkpoint would
+    run it again before its recomputation stops, so the stage keeps its policy."""
+    torch.manual_seed(0)
+    model = Block()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    graph = profile_module(model, (x,), repeats=1)
+    traced = trace_module(model, (x,), {})
+    ids = graph.ids
+    cut = ids.index("tanh") + 1
+    plan = make_plan(graph, [Stage(ids[:cut], "recompute"), Stage(ids[cut:], "keep")], "test")
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    program = remat_model.current.stages.programs[0]
+    assert program.kept_boundary == ["tanh"] and program.selective
+    remat_model(x).sum().backward()
+    plain(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
