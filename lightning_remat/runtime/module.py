@@ -49,6 +49,7 @@ from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
     CompiledStages,
     KeptRegion,
+    KeptValues,
     RestoreNormStatistics,
     StageProgram,
     boundary_policy,
@@ -303,11 +304,12 @@ class RematModule(nn.Module):
                 # filter: the filters are restored (the library changes no global state).
                 guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
                 region = KeptRegion() if program.selective else None
+                values = KeptValues() if program.handed_on else None
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
-                        program.fn, self, *([region] if region else []), *inputs,
+                        program.fn, self, *[r for r in (region, values) if r is not None], *inputs,
                         use_reentrant=False, preserve_rng_state=True,
-                        context_fn=self._context_fn(program, sharded, region),
+                        context_fn=self._context_fn(program, sharded, region, values),
                     )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
@@ -319,6 +321,8 @@ class RematModule(nn.Module):
                     outputs = program.fn(self, *inputs)
             elif program.selective:  # its code marks the kept nodes of a region
                 outputs = program.fn(self, KeptRegion(), *inputs)
+            elif program.handed_on:  # its code keeps values for a recomputation
+                outputs = program.fn(self, KeptValues(), *inputs)
             else:
                 outputs = program.fn(self, *inputs)
             del inputs
@@ -330,23 +334,26 @@ class RematModule(nn.Module):
             return pytree.tree_unflatten(list(rebuild_output(stages.output, env)), variant.output_spec)
         return rebuild_output(stages.output, env)
 
-    def _context_fn(self, program: StageProgram, sharded: bool,
-                    region: KeptRegion | None) -> Callable[[], tuple[Any, Any]]:
+    def _context_fn(self, program: StageProgram, sharded: bool, region: KeptRegion | None,
+                    values: KeptValues | None = None) -> Callable[[], tuple[Any, Any]]:
         """The contexts the stage's forward and its recomputation run in: selective
         checkpointing that keeps the boundary values (docs/design.md section 5), its policy
         reading this call's ``region``, and the norm statistics restored around the
-        recomputation. ``sharded``: the module holds FSDP units."""
+        recomputation. ``sharded``: the module holds FSDP units. ``values``: the kept
+        values a stage without the policy hands on to its recomputation."""
         restores = bool(program.norm_modules or program.state_buffers)
         once = _once_per_step(self, program)
         if region is None:
-            if not restores and once is None:
+            if not restores and once is None and values is None:
                 return torch.utils.checkpoint.noop_context_fn
 
             def plain() -> tuple[Any, Any]:
                 kept = once() if once is not None else None
                 forward: Any = kept.forward() if kept is not None else contextlib.nullcontext()
                 return forward, _Contexts(*([kept.recompute] if kept is not None else []),
-                                          *([lambda: RestoreNormStatistics(self, program)] if restores else []))
+                                          *([lambda: RestoreNormStatistics(self, program)] if restores else []),
+                                          *([lambda: values.replaying(lambda: not _graph_kept())]
+                                            if values is not None else []))
 
             return plain
 

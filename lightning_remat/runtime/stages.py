@@ -55,7 +55,7 @@ from lightning_remat.graph.ops import keepable, mutated_operand, written_attribu
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule, ScheduleParts
 
-__all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
+__all__ = ["CompiledStages", "KeptCall", "KeptRegion", "KeptValues", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
            "call_out_of_place", "compile_stages", "saving_ops",
            "rebuild_output", "with_output_containers"]
 
@@ -240,6 +240,12 @@ class StageProgram:
     and not run again (the schedule's ``kept``, docs/design.md section 5). The stage's code
     then takes a :class:`KeptRegion` after ``self`` and marks each such node's code with its
     ``begin``/``end``."""
+    handed_on: list[str] = field(default_factory=list)
+    """For a recomputed stage run without the policy: the kept nodes that save nothing for
+    the backward (a residual add, a concatenation). Its code takes a :class:`KeptValues`
+    after ``self``; each such node's value is held from the forward and handed to the
+    recomputation instead of run again. Skipping them leaves the order in which the
+    recomputation packs saved tensors, by which checkpoint matches them, as the forward's."""
     selective: bool = False
     """Whether the stage's recomputation runs under its selective-checkpoint policy
     (:func:`boundary_policy`), whose code then takes the :class:`KeptRegion`. A recomputed
@@ -258,6 +264,7 @@ class StageProgram:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A program pickled before ``selective`` existed took its region wherever it kept.
         state.setdefault("selective", bool(state.get("kept_boundary")))
+        state.setdefault("handed_on", [])
         self.__dict__.update(state)
         if self.fn is None and self.stage_graph is not None:
             self.source, self.fn = _compile_stage(self.stage_graph, self.index)
@@ -277,9 +284,11 @@ def _build_programs(
     graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
     members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
     saving: dict[str, bool] | None = None, charge: dict[str, str] | None = None,
+    replayable: frozenset[str] | None = None,
 ) -> tuple[list[StageProgram], Any]:
     """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
-    outputs a recomputed stage keeps; ``saving``: :func:`saving_ops`), with the action the schedule gives it."""
+    outputs a recomputed stage keeps; ``saving``: :func:`saving_ops`; ``replayable``: the
+    vertices whose kept outputs the stage's code hands on, :func:`handed_on_vertices`), with the action the schedule gives it."""
     charge = charge or {}
     output_node = next(n for n in graph.nodes if n.op == "output")
 
@@ -317,10 +326,14 @@ def _build_programs(
                 inputs.append(arg.name)
             return env[arg.name]
 
-        selective = bool(kept_nodes[k]) and _needs_policy(stage_nodes, kept_nodes[k], saving, charge)
-        kept = kept_nodes[k] if selective else set()
+        # Kept nodes that save nothing are handed on from the forward by the stage's code;
+        # the rest, unless the recomputation stops before them, need the policy.
+        handed = {n for n in kept_nodes[k] if charge.get(n, n) in (replayable or ())}
+        selective = bool(kept_nodes[k] - handed) and _needs_policy(
+            stage_nodes, kept_nodes[k] - handed, saving, charge)
+        kept, handed = (kept_nodes[k], set()) if selective else (set(), handed)
         # Placeholders first: fx wants them at the top of the graph.
-        region = stage_graph.placeholder("_remat_region") if kept else None
+        region = stage_graph.placeholder("_remat_region") if kept or handed else None
         for node in stage_nodes:
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
@@ -333,6 +346,8 @@ def _build_programs(
             if node.name in kept:
                 stage_graph.call_method("begin", (region,))
             env[node.name] = stage_graph.node_copy(node, lookup)
+            if node.name in handed:
+                _hand_on(stage_graph, env[node.name], region, node.name)
             if node.name in kept:
                 stage_graph.call_method("end", (region,))
             written.extend(str(a.target) for a in node.all_input_nodes
@@ -362,7 +377,8 @@ def _build_programs(
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             written_state=sorted(set(written)), called_modules=sorted(set(called)),
             kept_boundary=[n.name for n in stage_nodes if n.name in kept_nodes[k]],
-            selective=selective, stage_graph=stage_graph,
+            selective=selective, handed_on=[n.name for n in stage_nodes if n.name in handed],
+            stage_graph=stage_graph,
         ))
     output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
     return programs, output_structure
@@ -420,6 +436,83 @@ def _needs_policy(stage_nodes: list[fx.Node], kept: set[str], saving: dict[str, 
         if i < last or (i == last and not saving[vertex[i]]):
             return True
     return False
+
+
+def handed_on_vertices(graph: Graph, saving: dict[str, bool] | None) -> frozenset[str] | None:
+    """The vertices of a profiled ``graph`` whose kept outputs a stage's code can hand from
+    its forward to its recomputation (:class:`KeptValues`): their ops save nothing for the
+    backward, so skipping them packs nothing less, and they own their storage (a kept view
+    would hold its base's). None where the profile did not record saves and views."""
+    meta = graph.meta
+    if saving is None or meta.aliases is None:
+        return None
+    views = set(meta.aliases) | set(meta.resident_views or ())
+    return frozenset(v for v in graph.ids if v not in saving and v not in views)
+
+
+class KeptCall:
+    """A kept node's op in a stage's code (:attr:`StageProgram.handed_on`): runs it in the
+    forward and keeps its value in the call's :class:`KeptValues`; in the recomputation
+    hands that value on. ``target``: the op (a function), a method name (``method``), or
+    None for a module, which the code passes as the first argument."""
+
+    def __init__(self, target: Any = None, method: bool = False) -> None:
+        self.target = target
+        self.method = method
+        self.__name__ = "kept_" + (target if method else getattr(target, "__name__", "module"))
+        self.__module__ = __name__
+
+    def __reduce__(self) -> tuple:
+        return (KeptCall, (self.target, self.method))
+
+    def __call__(self, values: KeptValues, name: str, *args: Any, **kwargs: Any) -> Any:
+        if values.replay:
+            return values.held[name]
+        if self.method:
+            out = getattr(args[0], self.target)(*args[1:], **kwargs)
+        elif self.target is None:
+            out = args[0](*args[1:], **kwargs)
+        else:
+            out = self.target(*args, **kwargs)
+        values.held[name] = out
+        return out
+
+
+def _hand_on(stage_graph: fx.Graph, node: fx.Node, values: fx.Node, name: str) -> None:
+    """Turn ``node`` of a stage's code into a :class:`KeptCall` of the same op."""
+    if node.op == "call_module":
+        with stage_graph.inserting_before(node):
+            module = stage_graph.get_attr(str(node.target))
+        call, args = KeptCall(), (module, *node.args)
+    elif node.op == "call_method":
+        call, args = KeptCall(str(node.target), method=True), node.args
+    else:
+        call, args = KeptCall(node.target), node.args
+    node.op, node.target, node.args = "call_function", call, (values, name, *args)
+
+
+class KeptValues:
+    """The values a recomputed stage run without the policy hands from its forward to its
+    recomputation (:class:`KeptCall`): one per call of the stage, given to its code.
+    :meth:`replaying` is entered around the recomputation."""
+
+    __slots__ = ("held", "replay")
+
+    def __init__(self) -> None:
+        self.held: dict[str, Any] = {}
+        self.replay = False
+
+    @contextlib.contextmanager
+    def replaying(self, release: Callable[[], bool]) -> Iterator[None]:
+        """Hand the held values on; let go of them after when ``release()`` (no later
+        backward runs the stage again)."""
+        self.replay = True
+        try:
+            yield
+        finally:
+            self.replay = False
+            if release():
+                self.held = {}
 
 
 class KeptRegion:
@@ -584,6 +677,8 @@ def compile_stages(
             members[stage[node.name]].append(node)
     kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
     saving = saving_ops(profile) if profile is not None else None
-    programs, output = _build_programs(graph, stage, owner, members, schedule, kept, saving, charge)
+    replayable = handed_on_vertices(profile, saving) if profile is not None else None
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept, saving, charge,
+                                       replayable)
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
     return CompiledStages(programs, output, placeholders, rewritten)
