@@ -18,6 +18,7 @@ from lightning_remat.runtime.module import apply_plan
 from lightning_remat.runtime.stages import saving_ops
 from lightning_remat.solvers.plan import Stage
 from lightning_remat.solvers.scoring import make_plan
+from tests.test_double_backward import penalty_step, retained_step
 
 
 class Block(nn.Module):
@@ -147,3 +148,24 @@ def test_a_kept_value_that_saves_nothing_is_handed_to_the_recomputation() -> Non
             p.grad = q.grad = None
     with torch.no_grad():  # outside training the stage runs plainly
         assert torch.equal(remat_model(x), plain(x))
+
+
+def test_handed_values_serve_a_second_backward() -> None:
+    """A gradient penalty (``create_graph=True``) and a retained graph run the stage's
+    recomputation twice: both read the values handed on, and the gradients equal plain's."""
+    torch.manual_seed(0)
+    model = Residual()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    graph = profile_module(model, (x,), repeats=1)
+    traced = trace_module(model, (x,), {})
+    ids = graph.ids
+    cut = ids.index("fc2") + 1
+    plan = make_plan(graph, [Stage(ids[:cut], "recompute"), Stage(ids[cut:], "keep")], "test")
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    assert remat_model.current.stages.programs[0].handed_on == ["add"]
+    for step in (penalty_step, retained_step):
+        want = step(plain, list(plain.parameters()), x, 0)
+        got = step(remat_model, list(model.parameters()), x, 0)
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"{step.__name__}, parameter {k}"

@@ -24,10 +24,23 @@ BatchNorm running statistics: :class:`RestoreNormStatistics` snapshots and resto
 running statistics of a stage's norm layers around its recomputation, so they are updated
 exactly once per step, as in the plain run (docs/design.md section 5).
 
-Kept values: a recomputed stage's kept nodes run between the ``begin`` and ``end`` of the
-:class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
-stage's selective-checkpoint policy, reads, so their outputs are kept from the forward and
-only the rest of the stage runs again.
+Kept values, kept from the forward so only the rest of a recomputed stage runs again, in the
+cheapest of three ways, since a selective-checkpoint policy passes every op of the forward
+and of the recomputation through Python dispatch (on the CPU, a quarter of a transformer's
+forward time):
+
+- a kept node that saves nothing for the backward (a residual add) is a :class:`KeptCall`
+  in the stage's code, whose value the :class:`KeptValues` of the call hands from the
+  forward to the recomputation (:attr:`StageProgram.handed_on`);
+- the others need nothing where torch's non-reentrant checkpoint stops the recomputation
+  before them: at or after the stage's last saving op, which packs only what exists before
+  it runs (a boundary Linear; :func:`saving_ops`);
+- else (a kept ReLU saves its output) they run between the ``begin`` and ``end`` of the
+  :class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
+  stage's selective-checkpoint policy, reads (:attr:`StageProgram.selective`).
+
+Which applies comes from what the profile recorded each op saving; a graph without that
+record (a hand-made plan) takes the policy.
 
 Length: compiling stage programs and the region their policy reads are one algorithm over
 the schedule; splitting them would pass the schedule's internals between modules.
