@@ -10,6 +10,14 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
+- **The random-number state.** ``torch.utils.checkpoint`` (``preserve_rng_state=True``, as
+  the executors run it) stashes the CPU generator's state (``torch.get_rng_state()``, a
+  host tensor of a few kilobytes) when a recomputed stage's forward starts, for its
+  recomputation to draw the same numbers; it is freed with the stage's frame when its
+  backward has finished. It is device memory on the CPU only (on CUDA the stash is host
+  memory), and it is part of the cache the stage holds for the stages after it. The
+  recomputation runs under ``torch.random.fork_rng``, which copies the generator's state
+  again for the recomputation's length.
 - **Extra saved bytes.** What an op saves besides forward values (BatchNorm's statistics, a
   dropout mask, max-pool indices: ``saved`` minus the ``mem`` of its ``saved_refs``) is a
   block allocated with the op and freed after the op's backward.
@@ -176,6 +184,26 @@ class _Gradients:
     fresh: int
 
 
+def rng_state_bytes(graph: Graph) -> int:
+    """Device bytes of the random-number state ``torch.utils.checkpoint`` stashes for each
+    recomputed stage (module docstring): the CPU generator's state on the CPU, none on other
+    devices (the stash lives on the host) or for a graph no profile measured (its own exact
+    model, no device)."""
+    device = graph.meta.device
+    if device is None or not str(device).startswith("cpu"):
+        return 0
+    global _CPU_RNG_STATE_BYTES
+    if _CPU_RNG_STATE_BYTES is None:
+        import torch
+
+        _CPU_RNG_STATE_BYTES = int(torch.get_rng_state().nbytes)
+    return _CPU_RNG_STATE_BYTES
+
+
+_CPU_RNG_STATE_BYTES: int | None = None
+"""Bytes of ``torch.get_rng_state()`` (read once: the generator's state has a fixed size)."""
+
+
 class SharedSteps:
     """What every simulation of one graph shares (its adjacency and the per-vertex data,
     the latter per set of in-place ops a plan rewrites; the gradients the backward of a
@@ -192,6 +220,7 @@ class SharedSteps:
         self.inplace, self.outputs = self.parts.inplace, self.parts.outputs
         self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
         self.prefixes: dict[tuple, dict[str, Any]] = {}  # StepSimulation.forward_state
+        self.rng_state_bytes = rng_state_bytes(graph)
 
     def tail_gradients(self, tail: list[list[str]]) -> _Gradients:
         """The gradients left when the kept stages ``tail`` (the step's last, in order) have
@@ -468,6 +497,12 @@ class StepSimulation:
     def forward_stage(self, k: int) -> None:
         self.forward_done = k + 1
         in_closure: set[object] = set()
+        if self.actions[k] == "recompute" and self.shared.rng_state_bytes:
+            # Checkpoint's stash of the random-number state, until the stage's frame goes.
+            key = ("rng", k)
+            self.mem.alloc(key, self.shared.rng_state_bytes, 1)
+            self.closure[k].append(key)
+            self.kept_bytes[k] += self.shared.rng_state_bytes
         for v in self.stages[k]:
             self._forward_op(k, v, in_closure)
         if self.actions[k] == "offload":
@@ -589,10 +624,17 @@ class StepSimulation:
         for v in kept:
             if base[v] != v and base[v] in rkey and base[v] not in kept:
                 kept_aliases.setdefault(base[v], set()).add(v)
+        fork = ("rng_fork", k)
+        if self.shared.rng_state_bytes:
+            # fork_rng's copy of the generator's state, for the recomputation's length.
+            self.mem.alloc(fork, self.shared.rng_state_bytes, 1)
         for v in stage:
             saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
                          for r in self.saved_refs[v] if stage_of[r] == k}
             self._recompute_op(k, v, rkey, re_refs, saved_key)
+        if self.shared.rng_state_bytes:
+            self.mem.release(fork)
+            self.timeline.events[-1].live_bytes = self.mem.live
 
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
