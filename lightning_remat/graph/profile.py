@@ -208,8 +208,9 @@ def profile_module(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
-    # The default sum sends its outputs a broadcast scalar: its memory needs no measurement.
-    measure_loss = loss_fn is not None
+    # The loss is measured, the default sum's too: it sends its outputs a broadcast scalar,
+    # which the output op's backward materializes as its workspace (the allocation log sees
+    # it), so the gradient is not also counted as large as the outputs.
     loss_fn = loss_fn or default_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if traced is None:
@@ -249,9 +250,8 @@ def profile_module(
                 note("profile: the plain step's peak")
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
-                if measure_loss:
-                    meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
-                        module, inputs, kwargs, loss_fn, device)
+                meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
+                    module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
                                                       plain_seconds, note, agree)
                 meta.step_seconds = plain_seconds or wall
