@@ -310,7 +310,9 @@ def test_a_fraction_is_of_each_shapes_own_plain_peak(monkeypatch) -> None:
     torch.manual_seed(0)
     model = tiny_lm()
     monkeypatch.setattr(planner_module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
-    remat_model = remat(model, torch.randint(0, 50, (2, 8)), memory_budget="90%", solver="test-segments")
+    # Sequences of 16 and 32: at 8 the step is 46 KB, and a recomputed stage's stash of the
+    # random-number state (5 KB, twice during its recomputation) outweighs what it frees.
+    remat_model = remat(model, torch.randint(0, 50, (2, 16)), memory_budget="90%", solver="test-segments")
     short_budget, short_plain = remat_model.budget_bytes, simulate(remat_model.graph).peak_bytes
     with pytest.warns(UserWarning, match="re-planning"):
         remat_model(torch.randint(0, 50, (2, 32)))
@@ -370,9 +372,12 @@ def test_project_auto_solver_when_available() -> None:
     torch.manual_seed(0)
     model = residual_cnn()
     plain = copy.deepcopy(model)
-    # 90%: the smallest feasible budget here is 83% of the plain peak, as the exact CPU
-    # meter reads it (docs/design.md section 6).
-    remat_model = remat(model, torch.randn(4, 3, 16, 16), memory_budget="90%", solver="auto")
+    # Halfway between auto's smallest budget and the plain peak: on this 160 KB step the
+    # smallest is 93% of plain as the allocation log reads it (docs/design.md section 6),
+    # the random-number state each recomputed stage stashes and the ops' workspace included.
+    x = torch.randn(4, 3, 16, 16)
+    budget, _ = reachable_bytes(model, x, "auto")
+    remat_model = remat(model, x, memory_budget=budget, solver="auto")
     assert remat_model.plan.feasible
     batches = [((torch.randn(4, 3, 16, 16),), {}) for _ in range(2)]
     train_side_by_side(model, remat_model, plain, batches)
