@@ -130,11 +130,16 @@ def _state(model: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor
 
 def check_model(seed: int) -> list[dict]:
     """In the edge child: each budget's plan for one generated model, measured. The model is
-    profiled once, by ``remat()`` at 100% (the base its fractions are of); each budget is
-    planned on that graph (``solve``, ``apply_plan``)."""
+    profiled once (one timed step: the times do not matter here), the fractions taken of
+    its measured plain peak (``plain_peak_bytes``, the base ``remat()`` takes them of); each
+    budget is planned on that graph (``solve``, ``apply_plan``). A step through the plan is
+    measured by the library's meter and at the allocator's edge."""
     from benchmarks.edge import edge_peak_bytes
-    from lightning_remat import RematInfeasibleError, apply_plan, remat
+    from lightning_remat import RematInfeasibleError, apply_plan
+    from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
+    from lightning_remat.meter import peak_bytes
+    from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import min_budget, solve
 
     torch.manual_seed(seed)
@@ -144,31 +149,34 @@ def check_model(seed: int) -> list[dict]:
     model(x).sum().backward()
     plain_grads, plain_buffers = _state(model)
     model.zero_grad(set_to_none=True)
-    first = remat(model, x, "100%", loss_fn=torch.sum)  # the profile; the base of the fractions
-    plain_peak = first.budget_bytes
+    model.load_state_dict(start)
     traced = trace_module(model, x)
+    graph = profile_module(model, x, loss_fn=torch.sum, traced=traced, repeats=1)
+    plain_peak = plain_peak_bytes(graph)
     rows = []
     for budget in BUDGETS:
         budget_bytes = int(plain_peak * float(budget.rstrip("%")) / 100)
         try:
-            plan = solve(first.graph, budget_bytes)
+            plan = solve(graph, budget_bytes)
         except RematInfeasibleError:
-            budget_bytes = min_budget(first.graph)
-            plan = solve(first.graph, budget_bytes)
-        planned = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=first.graph)
+            budget_bytes = min_budget(graph)
+            plan = solve(graph, budget_bytes)
+        planned = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
 
         def step(planned: nn.Module = planned) -> None:
             model.zero_grad(set_to_none=True)  # gradients are allocated inside the step
             planned(x).sum().backward()
 
         step()  # a warm-up: the executor's first call
+        metered = peak_bytes(step)
         model.load_state_dict(start)
         peak = edge_peak_bytes(step)
         grads, buffers = _state(model)
         model.load_state_dict(start)
         rows.append({
             "seed": seed, "budget": budget, "budget_bytes": budget_bytes,
-            "predicted": plan.predicted_peak_bytes, "edge": peak, "recomputed": plan.count("recompute"),
+            "predicted": plan.predicted_peak_bytes, "metered": metered, "edge": peak,
+            "recomputed": plan.count("recompute"),
             "grad_rel_diff": max(float((g - h).abs().max()) / max(float(h.abs().max()), 1e-30)
                                  for g, h in zip(grads, plain_grads)),
             "buffer_diff": max(float((buffers[k] - v).abs().max()) for k, v in plain_buffers.items()),

@@ -420,6 +420,13 @@ class StepSimulation:
             if (target is None and guess_views and self.node[v].op in VIEW_OPS
                     and len(self.pred[v]) == 1):
                 target = self.pred[v][0]
+            if target is not None:
+                # The profile names a storage by its first owner; a view of an in-place op
+                # the executor rewrote is a view of that op's own storage.
+                for u in self.pred[v]:
+                    if u in base and aliases.get(u, u) == target:
+                        target = u
+                        break
             base[v] = base[target] if target is not None and target in base else v
         return base
 
@@ -443,8 +450,10 @@ class StepSimulation:
         for r in saved_refs.get(v, ()):
             # The profile names a storage by its first owner; an in-place op the executor
             # rewrote owns a storage of its own, which v saves when it reads that op.
+            # So does a view of it (its base is that op's, ``_storage_bases``).
             for reader_input in (v, *self.pred[v]):
-                if reader_input in self.own_storage and aliases.get(reader_input) == r:
+                if (aliases.get(reader_input) == r
+                        and self.base.get(reader_input, r) != self.base.get(r, r)):
                     r = reader_input
                     break
             if r in self.base:
