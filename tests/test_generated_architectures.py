@@ -5,17 +5,22 @@ grouped, depthwise, a strided one undone by a transposed one), BatchNorm and in-
 concatenation (then a 1x1 convolution) and additive skips, an attention block (LayerNorm,
 scaled dot-product attention, GELU) over the pixels as tokens, views, reshapes and
 transposes (a channel shuffle), a registered buffer. ``tests/test_schedule.py``'s generator
-builds 2-d Linear models for the executor's op-for-op check; these are 4-d image models,
-large enough for the kernel's count of resident memory to be read to within a percent.
+builds 2-d Linear models for the executor's op-for-op check; these are 4-d image models.
 
-For each model, at 50% and 75% of its plain peak (the base ``remat()`` takes a fraction of;
-the smallest feasible budget where that is refused), one step through the plan measured at the
-allocator's edge (``benchmarks.edge``: a child process whose every buffer is a mapping of its
-own, read through ``VmHWM``) is within the budget, and its gradients and BatchNorm statistics
-equal the plain step's; the plan's prediction is within 3% of it (not yet: the simulator
-over-predicts some of these plans, so that test is an expected failure that reports them). The same with oneDNN off
-(convolutions through im2col's column buffers). Several models share a child process.
-``REMAT_GENERATED_MODELS=N`` runs N models per setting instead of the CI's few.
+For each model, at 50% and 75% of its measured plain peak (the base ``remat()`` takes a
+fraction of; the smallest feasible budget where that is refused), one step through the plan
+measured at the allocator's edge (``benchmarks.edge``: a child process whose every buffer is a
+mapping of its own, read through ``VmHWM``) is within the budget, its gradients and BatchNorm
+statistics equal the plain step's, and the plan's prediction is not below it by more than 3%.
+The same with oneDNN off (convolutions through im2col's column buffers); both settings share
+one child process. ``VmHWM`` is read from the kernel's per-CPU batched page counters, so it can
+miss up to 32 pages (128 KiB) per CPU the step ran on.
+
+That the prediction is also within 3% *above* the edge is an expected failure: the library's
+meter and the simulator count what ops allocate (torch.profiler's memory events), the edge
+what they touch, and some CPU kernels allocate buffers they do not write through (flash
+attention's backward, LayerNorm's backward, im2col's columns), which no page ever backs.
+``REMAT_GENERATED_MODELS=N`` runs N models per setting instead of the CI's one.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ CHANNELS, SIDE, BATCH = 32, 16, 8
 KINDS = ("conv", "grouped", "depthwise", "down_up", "bn_relu_", "concat", "skip", "attention",
          "shuffle", "buffer", "gelu")
 BINARY = ("concat", "skip")
-MODELS = int(os.environ.get("REMAT_GENERATED_MODELS", "2"))
+MODELS = int(os.environ.get("REMAT_GENERATED_MODELS", "1"))
 AGREE = 1e-5
 """Recomputed convolutions may take another oneDNN path: gradients agree to float32 rounding."""
 BUDGETS = ("50%", "75%")
@@ -184,13 +189,17 @@ def check_model(seed: int) -> list[dict]:
     return rows
 
 
-def _run_child(seeds: list[int], onednn: bool) -> list[dict]:
+def _run_child(seeds: list[int]) -> list[dict]:
+    """Every seed with oneDNN on and off (``torch.backends.mkldnn.flags``, restored after),
+    in one child process set up for the allocator's edge."""
     from benchmarks.edge import child_env
 
     code = ("import json, sys, torch\n"
             "from tests.test_generated_architectures import check_model\n"
-            f"with torch.backends.mkldnn.flags(enabled={onednn}):\n"
-            f"    rows = [r for s in {seeds!r} for r in check_model(s)]\n"
+            "rows = []\n"
+            "for onednn in (True, False):\n"
+            "    with torch.backends.mkldnn.flags(enabled=onednn):\n"
+            f"        rows += [dict(r, onednn=onednn) for s in {seeds!r} for r in check_model(s)]\n"
             "print(json.dumps(rows))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=child_env(PYTHONPATH=str(ROOT)), timeout=1700)
@@ -199,30 +208,43 @@ def _run_child(seeds: list[int], onednn: bool) -> list[dict]:
     return json.loads(lines[-1])
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["onednn", "im2col"])
-def measured(request: pytest.FixtureRequest) -> list[dict]:
+@pytest.fixture(scope="module")
+def measured() -> list[dict]:
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/status")
-    rows = _run_child(list(range(MODELS)), request.param)
-    assert len(rows) == MODELS * len(BUDGETS)
+    rows = _run_child(list(range(MODELS)))
+    assert len(rows) == 2 * MODELS * len(BUDGETS)
     assert any(r["recomputed"] for r in rows), "no plan recomputed anything: the check checked nothing"
     return rows
+
+
+def _where(r: dict) -> str:
+    return f"model {r['seed']} at {r['budget']} ({'oneDNN' if r['onednn'] else 'im2col'}): {r}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_plans_for_generated_models_hold_their_budget_at_the_allocators_edge(measured: list[dict]) -> None:
     for r in measured:
-        where = f"model {r['seed']} at {r['budget']}: {r}"
-        assert r["edge"] <= r["budget_bytes"], where
-        assert r["grad_rel_diff"] <= AGREE and r["buffer_diff"] <= AGREE, where
+        assert r["edge"] <= r["budget_bytes"], _where(r)
+        assert r["grad_rel_diff"] <= AGREE and r["buffer_diff"] <= AGREE, _where(r)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the simulator over-predicts some generated models' plans by up to 9% of the "
-                   "peak at the allocator's edge (model 1 at 50%: predicted 5,162,372 B, measured "
-                   "4,759,552 B); the budget holds", strict=False)
+def test_predictions_for_generated_models_are_not_below_the_allocators_edge(measured: list[dict]) -> None:
+    """The prediction is what a budget is checked against: it may not read under the peak the
+    kernel counts by more than 3%."""
+    for r in measured:
+        assert r["predicted"] >= 0.97 * r["edge"], _where(r)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="the prediction reads what the ops allocate, the edge what they touch: "
+                   "CPU flash attention's backward, LayerNorm's backward and im2col's buffers are "
+                   "allocated larger than they are written, so the edge reads up to 46% less "
+                   "(model 1 at 50% with oneDNN off: predicted 5,315,396 B, the meter 5,315,400 B, "
+                   "the edge 3,633,152 B)", strict=False)
 def test_predictions_for_generated_models_are_within_3_percent_of_the_allocators_edge(
         measured: list[dict]) -> None:
     for r in measured:
-        assert abs(r["edge"] - r["predicted"]) <= 0.03 * r["edge"], f"model {r['seed']} at {r['budget']}: {r}"
+        assert abs(r["edge"] - r["predicted"]) <= 0.03 * r["edge"], _where(r)
