@@ -324,15 +324,16 @@ def test_a_fraction_is_of_each_shapes_own_plain_peak(monkeypatch) -> None:
 
 def test_evaluation_with_another_batch_size_does_not_replan() -> None:
     model = residual_cnn()
-    x = torch.randn(4, 3, 8, 8)
+    # 16 px: at 8 the random-number state a recomputed stage stashes outweighs what it frees.
+    x = torch.randn(4, 3, 16, 16)
     remat_model = remat(model, x, memory_budget=reachable_bytes(model, x)[0], solver="test-segments")
     remat_model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        remat_model(torch.randn(7, 3, 8, 8))
+        remat_model(torch.randn(7, 3, 16, 16))
         with torch.no_grad():
             remat_model.train()
-            remat_model(torch.randn(5, 3, 8, 8))
+            remat_model(torch.randn(5, 3, 16, 16))
     assert len(remat_model.variants) == 1
 
 
@@ -639,8 +640,10 @@ def test_a_loaded_module_plans_a_new_shape_with_the_default_loss_and_says_so() -
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(2):
-            loaded(torch.randn(64, 32)).sum().backward()
-            loaded(torch.randn(32, 32)).sum().backward()
+            # New shapes large enough for 80% to be reachable: the allocation log counts the
+            # random-number state each recomputed stage stashes (5 KB).
+            loaded(torch.randn(192, 32)).sum().backward()
+            loaded(torch.randn(128, 32)).sum().backward()
     about_loss = [str(w.message) for w in record if "loss_fn" in str(w.message)]
     assert len(about_loss) == 1 and "default" in about_loss[0], about_loss
     assert len(loaded.variants) == 3
@@ -657,5 +660,5 @@ def test_a_deep_copy_keeps_the_loss_fn() -> None:
     copied = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        copied(torch.randn(64, 32)).sum().backward()
-    assert 64 in seen and not [w for w in record if "loss_fn" in str(w.message)]
+        copied(torch.randn(192, 32)).sum().backward()  # large enough for 80% (see above)
+    assert 192 in seen and not [w for w in record if "loss_fn" in str(w.message)]
