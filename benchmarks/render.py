@@ -145,11 +145,11 @@ def prediction_table(record: dict[str, Any]) -> list[str]:
              f"% of the measured peak, target {PEAK_TARGET_PCT:.0f}%; extra time: predicted % of the "
              f"profiled step against measured time/plain - 1, error in points, target "
              f"{EXTRA_TARGET_POINTS:.0f}). Commit {record['commit']}.", "",
-             "| plan | solver | peak MiB measured | predicted | error | extra time measured | "
-             "predicted | error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| plan | solver | peak MiB measured | at the allocator's edge | predicted | error | "
+             "extra time measured | predicted | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, row, err in plans:
         assert err is not None
-        lines.append(f"| {label} | {row.get('solver', '')} | {mib(row['peak_bytes'])} | "
+        lines.append(f"| {label} | {row.get('solver', '')} | {mib(row['peak_bytes'])} | {edge_cell(row)} | "
                      f"{mib(row['predicted_peak_bytes'])} | {err['peak_error_pct']:+.1f}% | "
                      f"{err['measured_extra_pct']:+.0f}% | {err['predicted_extra_pct']:+.0f}% | "
                      f"{err['extra_error_points']:+.0f} pts |")
@@ -336,17 +336,27 @@ def note(row: dict[str, Any], plain_predicted: int | None) -> str:
     return ""
 
 
+def edge_cell(row: dict[str, Any]) -> str:
+    """The step's peak at the allocator's edge (``benchmarks/edge.py``; "-" where not
+    measured), marked where it is over the plan's budget."""
+    edge = row.get("edge_peak_bytes")
+    if edge is None:
+        return "-"
+    budget = row.get("budget_bytes")
+    return mib(edge) + (" (over budget)" if budget and edge > budget else "")
+
+
 def measured_table(record: dict[str, Any]) -> list[str]:
     rows = record["rows"]
     plain = rows.get("plain", {})
     commit = record["commit"]
-    lines = ["| method | peak MiB | peak/plain | time/plain | grad diff | BN diff | note | commit |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| method | peak MiB | at the allocator's edge | peak/plain | time/plain | grad diff | BN diff | "
+             "note | commit |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     plain_predicted = (_predictions(record) or {}).get("plain_predicted_bytes")
     for method, row in rows.items():
         if "peak_bytes" in row and "peak_bytes" in plain:
             lines.append(
-                f"| {method_label(method)} | {mib(row['peak_bytes'])} | "
+                f"| {method_label(method)} | {mib(row['peak_bytes'])} | {edge_cell(row)} | "
                 f"{row['peak_bytes'] / plain['peak_bytes']:.2f} | "
                 f"{row['step_seconds'] / row.get('plain_step_seconds', plain['step_seconds']):.2f} | "
                 f"{row['grad_rel_diff']:.1e} | "
@@ -354,7 +364,7 @@ def measured_table(record: dict[str, Any]) -> list[str]:
                 f"{EAGER_READING if eager_reading(method, row, plain, record.get('device', '')) else note(row, plain_predicted)}"
                 f" | {commit} |")
         else:
-            lines.append(f"| {method_label(method)} | - | - | - | - | - | {note(row, plain_predicted)} | {commit} |")
+            lines.append(f"| {method_label(method)} | - | - | - | - | - | - | {note(row, plain_predicted)} | {commit} |")
     return lines
 
 
@@ -620,6 +630,14 @@ def planning_results_section(results: Path) -> list[str]:
     return planning_section(results.parent / PLANNING.name)
 
 
+def meter_section(results: Path) -> list[str]:
+    """The meter against the allocator's edge (``benchmarks/meter_check.py``'s table)."""
+    table = results.parent / "results-meter" / "cpu.md"
+    if not table.is_file():
+        return []
+    return ["## The meter against the allocator's edge", "", *table.read_text().rstrip().splitlines()]
+
+
 def peers_section(results: Path) -> list[str]:
     """The table ``benchmarks/peers_checkpointing.py`` measured (its own results folder)."""
     from benchmarks.peers_checkpointing import render_section as render_peers
@@ -628,7 +646,7 @@ def peers_section(results: Path) -> list[str]:
 
 
 DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section,
-                                                        peers_section]
+                                                        meter_section, peers_section]
 
 
 README = ROOT / "README.md"

@@ -26,8 +26,11 @@ How it is measured (the same for every method):
 - every figure comes from a fresh process (``--worker``), so no method's allocations, caches
   or compiled code disturb another's reading;
 - the peak is the step's peak above what was live before it (``lightning_remat/meter.py``: the
-  caching allocator's peak on CUDA, the live tensor storage counted op by op on the CPU), with
-  gradients freed before the step as Lightning does, so allocating them is part of it;
+  caching allocator's peak on CUDA, every allocation c10's CPU allocator reports on the CPU), with
+  gradients freed before the step as Lightning does, so allocating them is part of it; on the
+  CPU the same step is measured again at the allocator's edge in a child of its own
+  (``benchmarks/edge.py``: every buffer its own mapping, the kernel's resident high-water
+  mark), the independent check: ``edge_peak_bytes`` beside ``peak_bytes``;
 - the time is the median of ``--repeats`` steps after a warm-up step (compilation, planning
   and the allocator's first calls are outside it), alternating with as many plain steps in
   the same process: *time/plain* is the ratio of the two medians (the meter changes no
@@ -194,14 +197,17 @@ def _reset_norms(model) -> None:
 
 
 def measure(model_name: str, method: str, device_name: str, batch: int, size: int,
-            repeats: int, cap_bytes: int | None = None, plans_file: str | None = None) -> dict[str, Any]:
+            repeats: int, cap_bytes: int | None = None, plans_file: str | None = None,
+            edge: bool = False) -> dict[str, Any]:
     """One method on one model: peak, time and agreement with plain (see the module doc).
 
     ``method``: ``plain``, ``checkpoint_sequential:SEGMENTS``, ``compile:BUDGET``,
     ``remat:SOLVER:BUDGET`` (``remat()``: profile, solve, run), or ``plan:INDEX`` (the
     INDEX-th line of ``plans_file``, written by :func:`plan_all`, run through
     ``apply_plan``); ``cap_bytes`` replaces a remat budget (the largest-batch search). The ``PREDICTIONS_AT`` method also gives every solver's prediction on the graph
-    it profiled (``predictions``)."""
+    it profiled (``predictions``). On the CPU each row's peak is measured again at the
+    allocator's edge (``edge_peak_bytes``, ``benchmarks.edge.edge_check``); ``edge``: this process is
+    that child, and returns that figure alone."""
     import torch
 
     from lightning_remat.meter import peak_bytes
@@ -302,6 +308,10 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     model.zero_grad(set_to_none=True)
     step()
     model.zero_grad(set_to_none=True)  # gradients are allocated inside the measured step
+    if edge:
+        from benchmarks.edge import edge_peak_bytes
+
+        return {"edge_peak_bytes": edge_peak_bytes(step)}
     row["peak_bytes"] = peak_bytes(step, device)
 
     def plain_step() -> None:
@@ -328,6 +338,13 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     row["plain_step_seconds"] = statistics.median(times[plain_step])
     if method == PREDICTIONS_AT and cap_bytes is None:
         row["predictions"] = predictions(run.graph, device, BUDGETS)
+    if device.type == "cpu":
+        from benchmarks.edge import edge_check
+
+        plan_made = (run.plan, run.graph) if method.startswith("remat:") else None
+        worker = [sys.executable, __file__, "--worker", "--edge", "--model", model_name, "--device", "cpu",
+                  "--batch", str(batch), "--size", str(size), "--repeats", "1"]
+        row.update(edge_check(worker, method, plans_file, plan_made, graph_path))
     return row
 
 
@@ -718,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-render", action="store_true", help="do not rewrite RESULTS.md and the plots")
     p.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--edge", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)
@@ -731,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
                            Path(args.plans_file))
         else:
             out = measure(args.model, args.method, args.device, args.batch, args.size,
-                          args.repeats, args.cap, args.plans_file)
+                          args.repeats, args.cap, args.plans_file, args.edge)
         print(json.dumps(out))
         return 0
 

@@ -1,12 +1,14 @@
 """The memory meter: the truth every prediction is held to (docs/design.md section 6).
 
 CUDA: the caching allocator's peak above what was allocated before the call.
-CPU: exact accounting of live tensor storage (:class:`StorageMeter`), the way
-``torch.distributed._tools.mem_tracker`` counts: a ``TorchDispatchMode`` sees every aten op
-(forward, backward and recomputation) and adds the bytes of each storage an op creates; a
-weak reference on the storage takes them off when it is freed. It changes nothing in the
-process (no allocator setting, no ``/proc`` write) and sees every tensor, but not an op's
-internal scratch memory that never becomes a tensor (a oneDNN convolution's buffers).
+CPU: every allocation c10's CPU allocator makes (:class:`AllocationLog`): torch.profiler's
+memory events, which c10 reports for each allocation and free with the allocator's running
+total, op-internal buffers included (a oneDNN convolution's scratch, im2col's column
+buffers), read back after the call. It changes nothing in the process (no allocator
+setting, no ``/proc`` write). Where another torch.profiler is running (one at a time), the
+meter counts tensor storage instead (:class:`StorageMeter`, the way
+``torch.distributed._tools.mem_tracker`` counts), which sees every tensor but no op's
+internal scratch, and says so once.
 
 ``record_timeline`` gives the same readings op by op through one step (forward and
 backward), the measured counterpart of ``solvers.simulate``'s predicted timeline.
@@ -18,6 +20,7 @@ the storage accounting and the fallback between them, so they stay in one module
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,8 +28,126 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType, _ExperimentalConfig
+from torch.autograd import (
+    ProfilerActivity,
+    ProfilerConfig,
+    ProfilerState,
+    _disable_profiler,
+    _enable_profiler,
+    _prepare_profiler,
+    _profiler_enabled,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+class AllocationLog:
+    """Every allocation and free c10's CPU allocator makes while entered, from torch.profiler's
+    memory events (``profile_memory=True``; c10 reports each with the allocator's running
+    total, oneDNN's scratch and im2col's buffers included), read back on exit.
+
+    :meth:`mark` records a point in the step; after exit, ``levels[i]`` is the bytes live at
+    mark ``i`` and ``peaks[i]`` the highest between mark ``i - 1`` and mark ``i``, both above
+    the level when entered (mark 0); ``live`` and ``peak`` are the step's. A buffer allocated
+    before entering and freed inside is not subtracted (the allocator reports no size for
+    it), as :class:`StorageMeter` does not. The profiler records the step's ops too, which
+    costs each op a few microseconds: the timed steps run without it.
+    """
+
+    def __init__(self) -> None:
+        self.levels: list[int] = []
+        self.peaks: list[int] = []
+        self.live = 0
+        self.peak = 0
+        self._count = 0
+
+    @staticmethod
+    def available() -> bool:
+        """Whether a log can start: torch runs one profiler at a time."""
+        return not _profiler_enabled()
+
+    def __enter__(self) -> AllocationLog:
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        _prepare_profiler(config, {ProfilerActivity.CPU})
+        _enable_profiler(config, {ProfilerActivity.CPU})
+        self.mark()
+        return self
+
+    def mark(self) -> int:
+        """Record a point of the step; its index into ``levels`` and ``peaks``."""
+        with torch.autograd.profiler.record_function(f"{_MARK}{self._count}"):
+            pass
+        self._count += 1
+        return self._count - 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.mark()
+        result = _disable_profiler()
+        self._resolve(result.experimental_event_tree())
+
+    def window(self, start: int, end: int) -> tuple[int, int, int]:
+        """(level at ``start``, peak from ``start`` to ``end``, level at ``end``)."""
+        peak = max(self.peaks[start + 1:end + 1], default=self.levels[start])
+        return self.levels[start], max(peak, self.levels[start]), self.levels[end]
+
+    def _resolve(self, roots: list[Any]) -> None:
+        allocations: list[tuple[int, int, int]] = []  # (time, running total, size)
+        marks: list[tuple[int, int]] = []  # (time, index)
+        todo = list(roots)
+        while todo:
+            event = todo.pop()
+            if event.tag == _EventType.Allocation:
+                fields = event.extra_fields
+                if fields.device.type == "cpu":
+                    allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
+            elif event.name.startswith(_MARK):
+                marks.append((event.start_time_ns, int(event.name[len(_MARK):])))
+            todo.extend(event.children)
+        allocations.sort(key=lambda a: a[0])  # stable: one thread's events keep their order
+        marks.sort()
+        base = allocations[0][1] - allocations[0][2] if allocations else 0
+        level = peak = base
+        self.levels = [0] * self._count
+        self.peaks = [0] * self._count
+        k = 0
+        for time_ns, index in marks:
+            peak = level
+            while k < len(allocations) and allocations[k][0] <= time_ns:
+                level = allocations[k][1]
+                peak = max(peak, level)
+                k += 1
+            self.levels[index] = level - base
+            self.peaks[index] = peak - base
+        self.live = self.levels[-1] if self.levels else 0
+        self.peak = max(self.peaks, default=0)
+
+
+_MARK = "lightning_remat.mark."
+"""The name prefix of :meth:`AllocationLog.mark`'s profiler events."""
+
+
+def step_meter(device_type: str = "cpu") -> AllocationLog | StorageMeter:
+    """The CPU meter for a step: an :class:`AllocationLog`, or where another profiler is
+    running a :class:`StorageMeter` (tensor storage only), after one warning."""
+    if AllocationLog.available():
+        return AllocationLog()
+    _warn_profiler_busy()
+    return StorageMeter(device_type)
+
+
+_warned_busy = False
+
+
+def _warn_profiler_busy() -> None:
+    global _warned_busy
+    if not _warned_busy:
+        _warned_busy = True
+        warnings.warn(
+            "another torch.profiler is running, so the CPU meter counts tensor storage only: "
+            "memory ops allocate inside themselves (oneDNN scratch, im2col buffers) is not "
+            "seen, and plans may go over their budget. Profile and measure outside the "
+            "profiler for exact figures", stacklevel=3)
 
 
 class StorageMeter(TorchDispatchMode):
@@ -105,6 +226,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+StepMeter = AllocationLog | StorageMeter
+"""A CPU step's meter (:func:`step_meter`)."""
+
+
 def _data_ptr(t: torch.Tensor) -> int:
     try:
         return _local(t).untyped_storage().data_ptr()
@@ -145,7 +270,7 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - base)
     gc.collect()  # garbage from before would be freed during fn: never counted, never subtracted
-    with StorageMeter(torch.device(device).type) as meter:
+    with step_meter(torch.device(device).type) as meter:
         fn()
     return int(meter.peak)
 
@@ -178,14 +303,19 @@ class TimelinePoint:
 
 
 class _Reader:
-    """Live and peak readings relative to the level before the step. The CUDA path and the
-    CPU path differ only here: CUDA reads the caching allocator's counters (after a sync);
-    CPU reads a :class:`StorageMeter` entered for the step (``with reader:``)."""
+    """Live and peak readings relative to the level before the step, one per timeline point.
+    The CUDA path and the CPU path differ only here: CUDA reads the caching allocator's
+    counters (after a sync) as the step runs; CPU marks the point in the
+    :class:`AllocationLog` entered for the step (``with reader:``) and the readings are
+    filled in when it exits (a :class:`StorageMeter`, where another profiler runs, is read
+    as the step runs)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.meter = None if self.cuda else StorageMeter(device.type)
+        self.meter = None if self.cuda else step_meter(device.type)
+        self._marked: list[tuple[TimelinePoint, int, int]] = []  # (point, previous mark, its mark)
+        self._last_mark = 0
         gc.collect()
         self.reset_peak()
         self.base = self._live()
@@ -196,34 +326,53 @@ class _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.meter is not None:
-            self.meter.__exit__(*exc)
+        if self.meter is None:
+            return
+        self.meter.__exit__(*exc)
+        if isinstance(self.meter, AllocationLog):
+            for point, start, end in self._marked:
+                _, peak, live = self.meter.window(start, end)
+                point.live_bytes, point.peak_bytes = live, peak
 
     def _live(self) -> int:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.memory_allocated(self.device))
-        assert self.meter is not None
-        return self.meter.live
+        return self.meter.live if isinstance(self.meter, StorageMeter) else 0
 
     def reset_peak(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            assert self.meter is not None
+        elif isinstance(self.meter, StorageMeter):
             self.meter.reset_peak()
 
-    def read(self) -> tuple[int, int]:
-        """(live, peak since the last reset), both relative to the base; resets the peak."""
+    def point(self, phase: str, op: str) -> TimelinePoint:
+        """The point after ``op``: its live bytes and the peak since the previous point
+        (filled in on exit on the CPU)."""
+        if isinstance(self.meter, AllocationLog):
+            mark = self.meter.mark()
+            point = TimelinePoint(phase, op, 0, 0)
+            self._marked.append((point, self._last_mark, mark))
+            self._last_mark = mark
+            return point
         live = self._live()
         if self.cuda:
             peak = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            assert self.meter is not None
+            assert isinstance(self.meter, StorageMeter)
             peak = self.meter.peak
         self.reset_peak()
-        return live - self.base, max(peak, live) - self.base
+        return TimelinePoint(phase, op, live - self.base, max(peak, live) - self.base)
+
+    def same(self, point: TimelinePoint, op: str) -> TimelinePoint:
+        """Another op's point with ``point``'s reading (ops whose last nodes ran together)."""
+        twin = TimelinePoint(point.phase, op, point.live_bytes, point.peak_bytes)
+        for point_, start, end in self._marked:
+            if point_ is point:
+                self._marked.append((twin, start, end))
+                break
+        return twin
 
 
 _STOP_NODES = ("AccumulateGrad",)
@@ -303,8 +452,7 @@ def record_timeline(
             loss = loss_fn(output)
             del output
             attribution.attribute("loss", loss, set())
-            live, peak = reader.read()
-            points.append(TimelinePoint("forward", "loss", live, peak))
+            points.append(reader.point("forward", "loss"))
             _backward_with_points(loss, reader, points, attribution)
             del loss
     finally:
@@ -343,8 +491,7 @@ def _forward_with_points(
 
             def flush(self) -> None:
                 if self.previous is not None:
-                    live, peak = reader.read()
-                    points.append(TimelinePoint("forward", self.previous, live, peak))
+                    points.append(reader.point("forward", self.previous))
                     self.previous = None
 
         interpreter = PointInterpreter(traced)
@@ -361,8 +508,7 @@ def _forward_with_points(
 
     def post_hook(name: str, mod: torch.nn.Module, args: Any, out: Any) -> None:
         attribution.attribute(name, out, stops.pop(id(mod), set()))
-        live, peak = reader.read()
-        points.append(TimelinePoint("forward", name, live, peak))
+        points.append(reader.point("forward", name))
 
     for name, leaf in leaves:
         handles.append(leaf.register_forward_pre_hook(
@@ -385,9 +531,9 @@ def _backward_with_points(
 
     def flush() -> None:
         if finished:
-            live, peak = reader.read()
-            for op in finished:
-                points.append(TimelinePoint("backward", op, live, peak))
+            first = reader.point("backward", finished[0])
+            points.append(first)
+            points.extend(reader.same(first, op) for op in finished[1:])
             finished.clear()
 
     def pre(fn: Any) -> None:

@@ -93,10 +93,12 @@ def _record(model: str, commit: str) -> dict:
         "model": model, "batch": 8, "size": 128, "commit": commit, "machine": "x86_64 CPU, 2 cores",
         "torch": "2.13.0", "python": "3.11.7", "date": "2026-11-23", "device": "cpu", "quick": True,
         "rows": {
-            "plain": {"peak_bytes": 100 * mib, "step_seconds": 1.0, "grad_rel_diff": 0.0, "norm_diff": 0.0},
+            "plain": {"peak_bytes": 100 * mib, "step_seconds": 1.0, "grad_rel_diff": 0.0, "norm_diff": 0.0,
+                      "edge_peak_bytes": 101 * mib},
             "compile:0.5": {"peak_bytes": 70 * mib, "step_seconds": 0.9, "grad_rel_diff": 2e-5,
                             "norm_diff": 0.0},
-            "remat:auto:50%": {"peak_bytes": 49 * mib, "step_seconds": 1.3, "grad_rel_diff": 0.0,
+            "remat:auto:50%": {"peak_bytes": 49 * mib, "edge_peak_bytes": 51 * mib, "step_seconds": 1.3,
+                               "grad_rel_diff": 0.0,
                                "norm_diff": 0.0, "solver": "auto:kusumoto-mc", "recomputed": 4,
                                "budget_bytes": 50 * mib, "predicted_peak_bytes": 48 * mib,
                                "predicted_extra_seconds": 0.2, "profiled_step_seconds": 1.0},
@@ -128,7 +130,10 @@ def test_render_names_every_row_and_its_commit(tmp_path: Path) -> None:
                   and not line.startswith(("| method", "| solver"))]
     assert table_rows and all("abc1234567" in line for line in table_rows
                               if not line.startswith("| feng"))
-    assert "| remat auto @50% | 49.0 | 0.49 | 1.30 | 0.0e+00 |" in text
+    # Beside the meter's peak, the allocator's edge: marked where over the plan's budget.
+    assert "| remat auto @50% | 49.0 | 51.0 (over budget) | 0.49 | 1.30 | 0.0e+00 |" in text
+    assert "| plain | 100.0 | 101.0 | 1.00 |" in text
+    assert "| torch.compile, activation budget 0.5 | 70.0 | - |" in text
     assert "smallest budget 40.0 MiB (40% of plain)" in text
     assert "| remat auto | 20 | 2.50x |" in text  # largest batch against plain's
     assert "| feng | min 40% 0.01s | 45% +30% 0.01s |" in text
@@ -254,8 +259,9 @@ def test_prediction_columns_cover_every_measured_plan_once(tmp_path: Path) -> No
                       "remat auto, batch 20, budget = cap"]
     table = render.prediction_table(record)
     # auto @50%: predicted 48 MiB against 49 measured (-2.0%); extra +20% predicted, +30% measured.
-    assert "| remat auto @50% | auto:kusumoto-mc | 49.0 | 48.0 | -2.0% | +30% | +20% | -10 pts |" in table
-    assert ("| remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments | kusumoto-mc | 55.0 | 56.0 | "
+    assert ("| remat auto @50% | auto:kusumoto-mc | 49.0 | 51.0 (over budget) | 48.0 | -2.0% | +30% | +20% | "
+            "-10 pts |") in table
+    assert ("| remat kusumoto-mc at the peak of checkpoint_sequential, 2 segments | kusumoto-mc | 55.0 | - | 56.0 | "
             "+1.8% | +32% | +30% | -2 pts |") in table
     worst = render.worst_predictions([record])
     assert worst["plans"] == 4 and worst["worst_extra"][1] == "remat auto @50%"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_remat.meter import StorageMeter, tensors_in
+from lightning_remat.meter import AllocationLog, StepMeter, tensors_in
 
 __all__ = ["INPUT", "BackwardTimer", "Clock", "OpRecord", "Workspace", "output_bytes", "storage_of"]
 
@@ -116,17 +116,20 @@ def _dispatch_backlog_cycles(device: torch.device, safety: float = 4.0) -> int:
 class Workspace:
     """Peak bytes during an op above max(before, after): the op's temporary workspace.
 
-    CUDA: the caching allocator's peak counter. CPU: the :class:`~lightning_remat.meter.StorageMeter`
-    the step runs under (docs/design.md section 6): the tensors an op creates and frees
-    before it returns; without one (the timed steps, which run without the meter's per-op
-    cost) it reads 0.
+    CUDA: the caching allocator's peak counter, read as the op ends. CPU: the meter the step
+    runs under (docs/design.md section 6): an :class:`~lightning_remat.meter.AllocationLog`,
+    which sees every allocation, op-internal buffers included, and gives the readings once
+    it has exited (:meth:`settle`); a ``StorageMeter`` (another profiler running) sees only
+    the tensors an op creates and frees before it returns. Without a meter (the timed steps,
+    which run without the meter's per-op cost) it reads 0.
     """
 
-    def __init__(self, device: torch.device, meter: StorageMeter | None = None) -> None:
+    def __init__(self, device: torch.device, meter: StepMeter | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
         self.meter = meter
         self.enabled = self.cuda or meter is not None
+        self._windows: list[tuple[dict[str, int], str, int, int]] = []
 
     def start(self) -> int:
         if self.cuda:
@@ -134,18 +137,33 @@ class Workspace:
             return torch.cuda.memory_allocated(self.device)
         if self.meter is None:
             return 0
+        if isinstance(self.meter, AllocationLog):
+            return self.meter.mark()
         self.meter.reset_peak()
         return self.meter.live
 
-    def stop(self, before: int) -> int:
+    def stop(self, before: int, into: dict[str, int], vid: str) -> None:
+        """Raise ``into[vid]`` to the workspace since :meth:`start` returned ``before``."""
         if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
             after = torch.cuda.memory_allocated(self.device)
         elif self.meter is None:
-            return 0
+            return
+        elif isinstance(self.meter, AllocationLog):
+            self._windows.append((into, vid, before, self.meter.mark()))
+            return
         else:
             peak, after = self.meter.peak, self.meter.live
-        return max(0, int(peak - max(before, after)))
+        into[vid] = max(into[vid], int(peak - max(before, after)))
+
+    def settle(self) -> None:
+        """The CPU log's workspaces, once it has exited."""
+        if not isinstance(self.meter, AllocationLog):
+            return
+        for into, vid, start, end in self._windows:
+            before, peak, after = self.meter.window(start, end)
+            into[vid] = max(into[vid], peak - max(before, after))
+        self._windows.clear()
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -218,7 +236,7 @@ class BackwardTimer:
 
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             end = self.clock.mark()
-            record.ws_bwd[vid] = max(record.ws_bwd[vid], self.workspace.stop(state.get("ws", 0)))
+            self.workspace.stop(state.get("ws", 0), record.ws_bwd, vid)
             record.pending.append((vid, "bwd", state.get("start"), end))
 
         try:

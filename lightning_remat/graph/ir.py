@@ -43,8 +43,7 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
   (absent in safe mode);
 - ``loss_peak_bytes``: the measured peak of the loss alone, from the outputs to their
   gradients, above what the forward holds (the step's own loss: a cross-entropy over a
-  vocabulary takes several times the logits; absent for the default sum, which costs
-  nothing, and in safe mode);
+  vocabulary takes several times the logits; the default sum's too; absent in safe mode);
 - ``step_seconds``: the plain step's time (CUDA: the metered plain step; CPU: the fastest timed
   instrumented step's wall time; in safe mode the sum of the vertex times);
 - ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size

@@ -30,7 +30,7 @@ from lightning_remat.graph.instruments import (
     storage_of,
 )
 from lightning_remat.graph.trace import Traced, is_getitem
-from lightning_remat.meter import StorageMeter, tensors_in
+from lightning_remat.meter import StepMeter, tensors_in
 
 __all__ = ["NodeProfiler", "OpMeter", "SubmoduleProfiler"]
 
@@ -41,7 +41,7 @@ class OpMeter:
     interpreter and the fallback's submodule profiler."""
 
     def __init__(self, device: torch.device, excluded_ptrs: set[int], safe: bool, rounds: int,
-                 meter: StorageMeter | None = None) -> None:
+                 meter: StepMeter | None = None) -> None:
         self.clock = Clock(device)
         self.workspace = Workspace(device, meter)
         self.timer = BackwardTimer(self.clock, self.workspace)
@@ -69,7 +69,7 @@ class OpMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = run()
         end = self.clock.mark()
-        rec.ws_fwd[vid] = max(rec.ws_fwd[vid], self.workspace.stop(ws_before))
+        self.workspace.stop(ws_before, rec.ws_fwd, vid)
         rec.pending.append((vid, "fwd", start, end))
 
         # Which vertex each output storage belongs to: this node's own, or for a tuple
@@ -120,7 +120,7 @@ class NodeProfiler(fx.Interpreter, OpMeter):
     """
 
     def __init__(self, traced: Traced, device: torch.device, excluded_ptrs: set[int],
-                 safe: bool = False, rounds: int = 1, meter: StorageMeter | None = None) -> None:
+                 safe: bool = False, rounds: int = 1, meter: StepMeter | None = None) -> None:
         fx.Interpreter.__init__(self, traced.runner)
         OpMeter.__init__(self, device, excluded_ptrs, safe, rounds, meter)
         self.traced = traced
@@ -239,7 +239,7 @@ class SubmoduleProfiler(OpMeter):
 
     def __init__(self, traced: Traced, module: nn.Module, device: torch.device,
                  excluded_ptrs: set[int], safe: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> None:
+                 meter: StepMeter | None = None) -> None:
         super().__init__(device, excluded_ptrs, safe, rounds, meter)
         self.traced, self.module = traced, module
         self.labels: dict[int, str] = {}

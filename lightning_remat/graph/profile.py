@@ -13,8 +13,9 @@
   (``perf_counter`` on CPU, CUDA events on GPU);
 - ``ws_fwd``/``ws_bwd``: the peak during the op above the larger of the bytes in use before
   and after it (the op's temporary workspace; the largest over the measured steps): on CUDA
-  the allocator's peak counter, on CPU the tensor storage meter of docs/design.md section 6,
-  in one extra step (scratch memory a kernel never makes a tensor is not seen).
+  the allocator's peak counter, on CPU the allocation log of docs/design.md section 6 (every
+  allocation, a oneDNN convolution's scratch and im2col's column buffers included), in one
+  extra step.
 
 Memory-safe mode (``safe=True``, or automatically when the plain step runs out of memory)
 never holds all activations: the forward runs under ``no_grad`` (values freed after their
@@ -65,7 +66,7 @@ from lightning_remat.graph.trace import (
     default_loss,
     trace_module,
 )
-from lightning_remat.meter import StorageMeter, peak_bytes, tensors_in
+from lightning_remat.meter import StepMeter, peak_bytes, step_meter, tensors_in
 
 __all__ = ["profile_module"]
 
@@ -207,8 +208,9 @@ def profile_module(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
-    # The default sum sends its outputs a broadcast scalar: its memory needs no measurement.
-    measure_loss = loss_fn is not None
+    # The loss is measured, the default sum's too: it sends its outputs a broadcast scalar,
+    # which the output op's backward materializes as its workspace (the allocation log sees
+    # it), so the gradient is not also counted as large as the outputs.
     loss_fn = loss_fn or default_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if traced is None:
@@ -220,14 +222,14 @@ def profile_module(
     if traced.kind == CHILDREN:
 
         def make(safe_mode: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
+                 meter: StepMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
             profiler = SubmoduleProfiler(traced, module, device, excluded, safe_mode, rounds, meter)
             return profiler, lambda: profiler.run(inputs, kwargs)
     else:
         args = traced.call_args(inputs, kwargs)
 
         def make(safe_mode: bool = False, rounds: int = 1,
-                 meter: StorageMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
+                 meter: StepMeter | None = None) -> tuple[OpMeter, Callable[[], Any]]:
             profiler = NodeProfiler(traced, device, excluded, safe_mode, rounds, meter)
             # Through the module's call when it is an FSDP unit: its hooks gather and reduce.
             return profiler, lambda: call_through(module, lambda: profiler.run(*args))
@@ -248,9 +250,8 @@ def profile_module(
                 note("profile: the plain step's peak")
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
                     module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
-                if measure_loss:
-                    meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
-                        module, inputs, kwargs, loss_fn, device)
+                meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
+                    module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
                                                       plain_seconds, note, agree)
                 meta.step_seconds = plain_seconds or wall
@@ -429,7 +430,7 @@ def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_
     doubt (:func:`_time_in_doubt`) is above :data:`_UNSETTLED_SHARE` of the step on some
     rank (``agree``): one timed step where one will do, as many on every rank."""
 
-    def step(meter: StorageMeter | None = None) -> tuple[OpRecord, float]:
+    def step(meter: StepMeter | None = None) -> tuple[OpRecord, float]:
         profiler, run = make(meter=meter)
         start = time.perf_counter()
         loss = loss_fn(run())
@@ -439,20 +440,22 @@ def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_
         profiler.timer.clear()
         del loss
         _clear_grads(grad_holders)
-        return profiler.record, seconds
+        return profiler, seconds
 
     metered: OpRecord | None = None
     if device.type != "cuda":
         note("profile: the step's bytes, op by op")
-        with StorageMeter(device.type) as meter:
-            metered, _ = step(meter)
+        with step_meter(device.type) as meter:
+            profiler, _ = step(meter)
+        profiler.workspace.settle()
+        metered = profiler.record
     timed: list[OpRecord] = []
     walls: list[float] = []
     while len(timed) < repeats:
         note("profile: the step's times, op by op" if not timed else
              f"profile: op times varied, timing again ({len(timed) + 1} of at most {repeats})")
-        record, wall = step()
-        timed.append(record)
+        profiler, wall = step()
+        timed.append(profiler.record)
         walls.append(wall)
         if not agree(_time_in_doubt(timed, metered, plain_seconds) > _UNSETTLED_SHARE):
             break
@@ -464,9 +467,10 @@ def _profile_safe(make: Callable[..., tuple[OpMeter, Callable[[], Any]]],
                   device: torch.device) -> list[OpRecord]:
     """Memory-safe mode: one no-grad forward; each op measured alone ``warmup + repeats``
     times (forward and backward), its activations dropped before the next op."""
-    meter = StorageMeter(device.type) if device.type != "cuda" else None
+    meter = step_meter(device.type) if device.type != "cuda" else None
     profiler, run = make(True, warmup + repeats, meter)
     with meter if meter is not None else nullcontext(), torch.no_grad():
         run()
+    profiler.workspace.settle()
     _clear_grads(grad_holders)
     return profiler.records[warmup:]

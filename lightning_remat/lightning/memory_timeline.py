@@ -53,7 +53,7 @@ class MemoryTimelineLogger(pl.Callback):
         self._logged_plans: set[int] = set()
         self._t0 = 0.0
         self._base = 0
-        self._meter: meter.StorageMeter | None = None
+        self._meter: meter.StepMeter | None = None
         self._layout_written = False
         self._logging = False
         self._pending: Any = None
@@ -83,9 +83,9 @@ class MemoryTimelineLogger(pl.Callback):
             # device synchronisation is needed to read or reset them.
             self._base = torch.cuda.memory_allocated(device)  # CUDA only
             torch.cuda.reset_peak_memory_stats(device)  # CUDA only
-        else:  # the tensor storage the step creates (docs/design.md section 6)
+        else:  # every allocation the step makes (docs/design.md section 6)
             self._stop_meter()
-            self._meter = meter.StorageMeter(torch.device(device).type)
+            self._meter = meter.step_meter(torch.device(device).type)
             self._meter.__enter__()
         self._t0 = time.perf_counter()
 

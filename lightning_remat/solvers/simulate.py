@@ -10,6 +10,14 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
+- **The random-number state.** ``torch.utils.checkpoint`` (``preserve_rng_state=True``, as
+  the executors run it) stashes the CPU generator's state (``torch.get_rng_state()``, a
+  host tensor of a few kilobytes) when a recomputed stage's forward starts, for its
+  recomputation to draw the same numbers; it is freed with the stage's frame when its
+  backward has finished. It is device memory on the CPU only (on CUDA the stash is host
+  memory), and it is part of the cache the stage holds for the stages after it. The
+  recomputation runs under ``torch.random.fork_rng``, which copies the generator's state
+  again for the recomputation's length.
 - **Extra saved bytes.** What an op saves besides forward values (BatchNorm's statistics, a
   dropout mask, max-pool indices: ``saved`` minus the ``mem`` of its ``saved_refs``) is a
   block allocated with the op and freed after the op's backward.
@@ -176,6 +184,26 @@ class _Gradients:
     fresh: int
 
 
+def rng_state_bytes(graph: Graph) -> int:
+    """Device bytes of the random-number state ``torch.utils.checkpoint`` stashes for each
+    recomputed stage (module docstring): the CPU generator's state on the CPU, none on other
+    devices (the stash lives on the host) or for a graph no profile measured (its own exact
+    model, no device)."""
+    device = graph.meta.device
+    if device is None or not str(device).startswith("cpu"):
+        return 0
+    global _CPU_RNG_STATE_BYTES
+    if _CPU_RNG_STATE_BYTES is None:
+        import torch
+
+        _CPU_RNG_STATE_BYTES = int(torch.get_rng_state().nbytes)
+    return _CPU_RNG_STATE_BYTES
+
+
+_CPU_RNG_STATE_BYTES: int | None = None
+"""Bytes of ``torch.get_rng_state()`` (read once: the generator's state has a fixed size)."""
+
+
 class SharedSteps:
     """What every simulation of one graph shares (its adjacency and the per-vertex data,
     the latter per set of in-place ops a plan rewrites; the gradients the backward of a
@@ -192,6 +220,7 @@ class SharedSteps:
         self.inplace, self.outputs = self.parts.inplace, self.parts.outputs
         self.tails: dict[tuple[tuple[str, ...], ...], _Gradients] = {}
         self.prefixes: dict[tuple, dict[str, Any]] = {}  # StepSimulation.forward_state
+        self.rng_state_bytes = rng_state_bytes(graph)
 
     def tail_gradients(self, tail: list[list[str]]) -> _Gradients:
         """The gradients left when the kept stages ``tail`` (the step's last, in order) have
@@ -388,17 +417,16 @@ class StepSimulation:
         base: dict[str, str] = {}
         for v in ids:
             target = None if v in self.own_storage else aliases.get(v)
-            if target is not None:
-                # The profile names a storage by its first owner. Past an in-place op that
-                # runs out of place (a storage of its own), a view of that op's result, or
-                # an in-place op on it, lives in the op's new storage.
-                for u in self.pred[v]:
-                    if aliases.get(u, u) == target and u in base and base[u] != base.get(target):
-                        target = u
-                        break
             if (target is None and guess_views and self.node[v].op in VIEW_OPS
                     and len(self.pred[v]) == 1):
                 target = self.pred[v][0]
+            if target is not None:
+                # The profile names a storage by its first owner; a view of an in-place op
+                # the executor rewrote is a view of that op's own storage.
+                for u in self.pred[v]:
+                    if u in base and aliases.get(u, u) == target:
+                        target = u
+                        break
             base[v] = base[target] if target is not None and target in base else v
         return base
 
@@ -421,10 +449,11 @@ class StepSimulation:
         aliases = self.aliases
         for r in saved_refs.get(v, ()):
             # The profile names a storage by its first owner; an in-place op the executor
-            # rewrote owns a storage of its own, which v saves when it reads that op or a
-            # view of its result.
+            # rewrote owns a storage of its own, which v saves when it reads that op.
+            # So does a view of it (its base is that op's, ``_storage_bases``).
             for reader_input in (v, *self.pred[v]):
-                if aliases.get(reader_input) == r and self.base[reader_input] != self.base.get(r):
+                if (aliases.get(reader_input) == r
+                        and self.base.get(reader_input, r) != self.base.get(r, r)):
                     r = reader_input
                     break
             if r in self.base:
@@ -477,6 +506,12 @@ class StepSimulation:
     def forward_stage(self, k: int) -> None:
         self.forward_done = k + 1
         in_closure: set[object] = set()
+        if self.actions[k] == "recompute" and self.shared.rng_state_bytes:
+            # Checkpoint's stash of the random-number state, until the stage's frame goes.
+            key = ("rng", k)
+            self.mem.alloc(key, self.shared.rng_state_bytes, 1)
+            self.closure[k].append(key)
+            self.kept_bytes[k] += self.shared.rng_state_bytes
         for v in self.stages[k]:
             self._forward_op(k, v, in_closure)
         if self.actions[k] == "offload":
@@ -598,10 +633,17 @@ class StepSimulation:
         for v in kept:
             if base[v] != v and base[v] in rkey and base[v] not in kept:
                 kept_aliases.setdefault(base[v], set()).add(v)
+        fork = ("rng_fork", k)
+        if self.shared.rng_state_bytes:
+            # fork_rng's copy of the generator's state, for the recomputation's length.
+            self.mem.alloc(fork, self.shared.rng_state_bytes, 1)
         for v in stage:
             saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
                          for r in self.saved_refs[v] if stage_of[r] == k}
             self._recompute_op(k, v, rkey, re_refs, saved_key)
+        if self.shared.rng_state_bytes:
+            self.mem.release(fork)
+            self.timeline.events[-1].live_bytes = self.mem.live
 
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
