@@ -209,3 +209,55 @@ def test_a_trial_out_of_memory_on_one_rank_stops_every_rank_with_one_error(tmp_p
     assert records[0]["error"] == records[1]["error"] and records[0]["error"]
     assert records[0]["batch_size"] == 2 * OOM_ABOVE and records[0]["ranks"] == [1]
     assert "rank 1" in records[0]["error"] and f"max_val below {2 * OOM_ABOVE}" in records[0]["error"]
+
+
+def _search_on_threads(trial) -> list:
+    """run_search_across_ranks on two thread ranks, each running ``trial(rank, size)``; what
+    each rank returned or raised."""
+    world = 2
+    hub = {"slots": [None] * world, "lock": threading.Lock(), "barrier": threading.Barrier(world, timeout=20)}
+    outcome: list = [None, None]
+
+    def rank_main(rank: int) -> None:
+        hub["lock"].acquire()
+        try:
+            outcome[rank] = run_search_across_ranks(lambda size: trial(rank, size), ThreadRanks(rank, hub),
+                                                    init_val=4, max_val=64)
+        except Exception as exc:
+            outcome[rank] = exc
+        finally:
+            hub["lock"].release()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+def test_out_of_memory_beside_a_failed_collective_stops_every_rank_alike():
+    """Rank one runs out of memory above 8; at that size rank zero's collective times out."""
+    def trial(rank: int, size: int) -> TrialResult:
+        if size > 8:
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+        return TrialResult(True, peak_bytes=size, seconds=0.01)
+
+    outcome = _search_on_threads(trial)
+    assert all(isinstance(o, SearchStoppedError) for o in outcome), outcome
+    assert str(outcome[0]) == str(outcome[1]) and outcome[0].batch_size == 16 and outcome[0].ranks == [1]
+    assert "rank 1" in str(outcome[0]) and "Timed out" in str(outcome[0])
+
+
+def test_out_of_memory_after_every_collective_is_an_infeasible_size_on_every_rank():
+    """Rank one runs out of memory above 8 where rank zero's step completes: no collective
+    was left waiting, so the size is infeasible and the search goes on to the answer."""
+    def trial(rank: int, size: int) -> TrialResult:
+        if size > 8 and rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return TrialResult(True, peak_bytes=size, seconds=0.01)
+
+    outcome = _search_on_threads(trial)
+    assert [o.largest_feasible for o in outcome] == [8, 8] and outcome[0].smallest_infeasible == 9
