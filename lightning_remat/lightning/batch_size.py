@@ -19,7 +19,10 @@ Under ``remat_ddp`` and ``remat_fsdp`` the search spans the ranks
 rank runs each trial's steps, a size fits only when it fits on every rank (the worst peak
 over ranks), and every rank writes the same answer, so every rank's dataloader gets it.
 Lightning's ``BatchSizeFinder`` refuses distributed strategies because the ranks would have
-to agree on an out-of-memory error; here each rank measures, and the ranks compare.
+to agree on an out-of-memory error; here each rank measures, and the ranks compare on a
+group of their own. A rank that runs out of memory before one of the step's collectives
+leaves the others in it until ``collective_timeout``; then every rank stops with one
+:class:`~lightning_remat.errors.SearchStoppedError` (docs/design.md section 7).
 
 Lightning's private names used (each commented where used) are ones its own
 ``BatchSizeFinder`` uses: ``fit_loop._data_source``, ``fit_loop._combined_loader`` and
