@@ -180,7 +180,7 @@ def oom_on_one_rank(rank: int, out: Path) -> None:
     from lightning_remat.lightning.trial import _timeout_of
 
     finder = RematBatchSizeFinder(memory_budget="64MiB", init_val=OOM_ABOVE, max_val=256, steps_per_trial=1,
-                                  progress_bar=False, collective_timeout=3)
+                                  progress_bar=False, collective_timeout=8)
     model = OomOnOneRank()
     trainer = pl.Trainer(strategy=RematFSDPStrategy(), accelerator="cpu", devices=2, max_steps=1,
                          default_root_dir=str(out), enable_progress_bar=False, enable_model_summary=False,
