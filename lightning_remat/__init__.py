@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr_
     from lightning_remat.errors import (
         RematError,
         RematInfeasibleError,
+        SearchStoppedError,
         SolverDeclinedError,
         TraceError,
     )
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "format_bytes": "budget", "parse_budget": "budget",
     "RematError": "errors", "RematInfeasibleError": "errors", "SolverDeclinedError": "errors",
-    "TraceError": "errors",
+    "SearchStoppedError": "errors", "TraceError": "errors",
     "Graph": "graph.ir",
     "RematBatchSizeFinder": "lightning.batch_size", "find_max_batch_size": "lightning.batch_size",
     "MemoryTimelineLogger": "lightning.memory_timeline", "RematFSDPStrategy": "lightning.fsdp",
@@ -57,8 +58,8 @@ _EXPORTS = {
 __all__ = [
     "SOLVERS", "Graph", "MemoryTimelineLogger", "Plan", "RematBatchSizeFinder", "RematDDPStrategy",
     "RematFSDPStrategy",
-    "RematError", "RematInfeasibleError", "RematModule", "RematStrategy", "SolverDeclinedError",
-    "Stage", "TraceError",
+    "RematError", "RematInfeasibleError", "RematModule", "RematStrategy", "SearchStoppedError",
+    "SolverDeclinedError", "Stage", "TraceError",
     "__version__", "apply_plan", "find_max_batch_size", "format_bytes", "min_budget",
     "parse_budget", "remat", "solve",
 ]

@@ -87,3 +87,15 @@ def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(prefixes):
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(message, category, stacklevel=stacklevel)
+
+
+class SearchStoppedError(RematError):
+    """A batch-size trial ran out of memory on some ranks while others were left inside one
+    of the step's collectives, which timed out: the process group cannot be trusted after
+    that, so the search stops on every rank with this error (the batch size not written).
+    ``ranks`` ran out of memory at ``batch_size``."""
+
+    def __init__(self, message: str, batch_size: int, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.batch_size = batch_size
+        self.ranks = ranks

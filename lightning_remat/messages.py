@@ -32,7 +32,7 @@ from lightning_remat.inputs import InputKey
 from lightning_remat.solvers.plan import Plan
 
 __all__ = [
-    "DistributedRanks", "Exchange", "Message", "PlanningFailed", "ProfileTogether", "Ranks",
+    "DistributedRanks", "Exchange", "agreement_group", "Message", "PlanningFailed", "ProfileTogether", "Ranks",
     "SharedCall", "SharedPlan", "world_size",
 ]
 
@@ -66,15 +66,22 @@ class DistributedRanks:
     """:class:`Ranks` over ``torch.distributed``'s default process group.
 
     The agreement runs on a gloo group on the host, so the per-call check costs no device
-    synchronisation; with a gloo default group that group is used as it is."""
+    synchronisation; with a gloo default group that group is used as it is, unless
+    ``own_group``: then a gloo group of its own, created once per default group (every rank
+    creates it at its first such :class:`DistributedRanks`, in the same order). The
+    batch-size search agrees on its own group: a rank that ran out of memory before one of
+    the step's collectives must not have its verdict paired with the collective another
+    rank still waits in (docs/design.md section 7, "Batch-size search")."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_group: bool = False) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.rank = dist.get_rank()
         self._group = None
-        if dist.get_backend() != "gloo":
+        if own_group:
+            self._group = agreement_group()
+        elif dist.get_backend() != "gloo":
             # CUDA only (NCCL): a host-side group for the plan exchange; every rank creates it.
             self._group = dist.new_group(backend="gloo")
 
@@ -92,6 +99,21 @@ class DistributedRanks:
         box = [obj]
         self._dist.broadcast_object_list(box, src=src, group=self._group)
         return box[0]
+
+
+_AGREEMENT: list[Any] = [None, None]
+"""The default group and the gloo group :func:`agreement_group` made for it."""
+
+
+def agreement_group() -> Any:
+    """A gloo group of every rank, for agreements only, created once per default group (a
+    collective: every rank calls it first at the same point)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _AGREEMENT[0] is not world:
+        _AGREEMENT[:] = [world, dist.new_group(backend="gloo")]
+    return _AGREEMENT[1]
 
 
 # ---- the messages ---------------------------------------------------------------------------

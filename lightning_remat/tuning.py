@@ -46,7 +46,7 @@ from torch import nn
 
 from lightning_remat.cache import default_cache_dir, is_access_problem, move_aside, sqlite_problem
 from lightning_remat.device import device_name, free_device_memory, is_out_of_memory
-from lightning_remat.errors import RematInfeasibleError, warn_caller
+from lightning_remat.errors import RematInfeasibleError, SearchStoppedError, warn_caller
 from lightning_remat.messages import Ranks
 
 PARAM = "batch_size"
@@ -70,6 +70,8 @@ class TrialResult:
     solver: str | None = None
     reserved_bytes: int | None = None
     """CUDA: the caching allocator's reserved peak beside ``peak_bytes`` (allocated)."""
+    out_of_memory: bool = False
+    """The trial ran out of memory (:func:`run_trial_safely`)."""
 
 
 TrialFn = Callable[[int], TrialResult]
@@ -444,7 +446,7 @@ def run_trial_safely(trial_fn: TrialFn, batch_size: int) -> TrialResult:
     # Outside the except block: the exception and its traceback's frames (which hold the
     # failed step's tensors) are gone, so their memory can really be released.
     free_device_memory()
-    return TrialResult(False, reason=reason)
+    return TrialResult(False, reason=reason, out_of_memory=True)
 
 
 def run_search(
@@ -595,16 +597,46 @@ def combine_trials(results: Sequence[TrialResult]) -> TrialResult:
 
 
 def _trial_on_every_rank(trial_fn: TrialFn, batch_size: int, ranks: Ranks) -> TrialResult:
+    """The trial on this rank, then every rank's verdict combined (a collective). A rank that
+    ran out of memory may have left the others inside one of the step's collectives (FSDP's
+    gathers, DDP's reductions, a SyncBatchNorm): they leave it only when it times out, and
+    then every rank stops with one :class:`~lightning_remat.errors.SearchStoppedError`
+    (docs/design.md section 7, "Batch-size search")."""
     try:
         local, error = run_trial_safely(trial_fn, batch_size), ""
     except Exception as exc:  # shared below, so that no rank waits for one that stopped
-        local, error = TrialResult(False), f"{type(exc).__name__}: {exc}"
-    gathered = ranks.gather((local, error))
-    errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(gathered) if e]
-    if errors:
+        local, error = TrialResult(False), f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    try:
+        gathered = ranks.gather((local, error))
+    except Exception as exc:
+        if not local.out_of_memory:
+            raise
+        # The others never reached the verdict (a timed-out NCCL collective ends its process).
+        raise SearchStoppedError(_stopped_message(batch_size, {ranks.rank: local.reason},
+                                                  {-1: f"{type(exc).__name__}: {exc}"}),
+                                 batch_size, [ranks.rank]) from exc
+    out_of_memory = {rank: r.reason for rank, (r, _) in enumerate(gathered) if r.out_of_memory}
+    failed = {rank: e for rank, (_, e) in enumerate(gathered) if e}
+    if out_of_memory and failed:
+        raise SearchStoppedError(_stopped_message(batch_size, out_of_memory, failed), batch_size,
+                                 sorted(out_of_memory))
+    if failed:
         raise TrialFailedOnRank(f"lightning_remat: the trial at batch size {batch_size} failed on "
-                                + "; ".join(errors))
+                                + "; ".join(f"rank {rank}: {e}" for rank, e in failed.items()))
     return combine_trials([r for r, _ in gathered])
+
+
+def _stopped_message(batch_size: int, out_of_memory: dict[int, str], failed: dict[int, str]) -> str:
+    oom = ", ".join(f"rank {rank}" for rank in sorted(out_of_memory))
+    others = "; ".join(f"rank {rank}: {e}" if rank >= 0 else e for rank, e in failed.items())
+    return (
+        f"lightning_remat: the batch-size trial at batch size {batch_size} ran out of memory on "
+        f"{oom} ({next(iter(out_of_memory.values()))}) while the other ranks waited in a "
+        f"collective of the step, which failed ({others[:300]}). After a failed collective the "
+        "process group cannot be trusted, so the search stops on every rank and the batch size "
+        f"is left as it was. Keep the trials within memory and search again: pass "
+        f"max_val below {batch_size}, or a memory_budget in bytes below the device memory (a "
+        "trial over it is then judged by its measured peak on every rank, without running out)")
 
 
 def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any) -> SearchResult:
@@ -630,7 +662,7 @@ def run_search_across_ranks(trial_fn: TrialFn, ranks: Ranks, **search_args: Any)
 
     try:
         result = run_search(lead, **search_args)
-    except TrialFailedOnRank:
+    except (TrialFailedOnRank, SearchStoppedError):
         raise  # every rank raised it
     except BaseException as exc:
         ranks.broadcast(SearchStopped(f"{type(exc).__name__}: {exc}"), 0)

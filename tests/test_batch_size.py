@@ -533,6 +533,9 @@ def test_bad_arguments_get_clear_errors():
         RematBatchSizeFinder(solver="nope")
     with pytest.raises(ValueError, match="steps_per_trial"):
         RematBatchSizeFinder(steps_per_trial=0)
+    for timeout in (0, -1.0, "60", True):
+        with pytest.raises(ValueError, match="collective_timeout"):
+            RematBatchSizeFinder(collective_timeout=timeout)
 
 
 def test_cpu_search_without_a_budget_is_refused(tmp_path):

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_remat.errors import SearchStoppedError
 from lightning_remat.lightning.batch_size import RematBatchSizeFinder
 from lightning_remat.lightning.fsdp import RematFSDPStrategy
 from lightning_remat.lightning.strategy import RematDDPStrategy
 from lightning_remat.tuning import TrialResult, combine_trials, run_search_across_ranks
+from tests.distributed import run_ranks
 from tests.lit_models import trainer_kwargs
 from tests.test_ddp_shapes import ThreadRanks
 from tests.test_strategy_fsdp import ShardedNet
@@ -122,3 +129,135 @@ def test_one_study_on_rank_zero_every_rank_runs_each_trial():
         t.join(60)
     assert results[0].largest_feasible == results[1].largest_feasible == 100
     assert ran[0] == ran[1] and len(ran[0]) == results[0].trials_run
+
+
+# ---- a trial that runs out of memory on one rank only ------------------------------------------
+
+OOM_ABOVE = 16
+"""Rank one runs out of memory above this many samples (rank zero never does)."""
+
+
+class OomBeforeCollective(nn.Module):
+    """On rank one, above ``OOM_ABOVE`` samples, an out-of-memory error before an all_reduce
+    that rank zero is already inside (FSDP's all-gather's stand-in on gloo)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1 and x.shape[0] > OOM_ABOVE:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        mean = x.mean(dim=0, keepdim=True).detach().clone()
+        torch.distributed.all_reduce(mean)
+        return x + mean / torch.distributed.get_world_size()
+
+
+class OomOnOneRank(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+                                 OomBeforeCollective(), nn.Linear(32, 4))
+        self.batch_size = 8  # the search must leave it so
+
+    def configure_model(self) -> None:
+        fully_shard(self.net[1], mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g))
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+def oom_on_one_rank(rank: int, out: Path) -> None:
+    """The search under remat_fsdp with Lightning's defaults (logger, checkpointing): the
+    trial at 32 runs out of memory on rank one while rank zero waits in the all_reduce."""
+    from lightning_remat.lightning.trial import _timeout_of
+
+    finder = RematBatchSizeFinder(memory_budget="64MiB", init_val=OOM_ABOVE, max_val=256, steps_per_trial=1,
+                                  progress_bar=False, collective_timeout=8)
+    model = OomOnOneRank()
+    trainer = pl.Trainer(strategy=RematFSDPStrategy(), accelerator="cpu", devices=2, max_steps=1,
+                         default_root_dir=str(out), enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[finder])
+    record: dict = {}
+    started = time.monotonic()
+    try:
+        trainer.fit(model)
+    except SearchStoppedError as exc:
+        record = {"error": str(exc), "batch_size": exc.batch_size, "ranks": exc.ranks}
+    record.update(seconds=time.monotonic() - started, model_batch_size=model.batch_size,
+                  timeout=_timeout_of(torch.distributed.group.WORLD).total_seconds())
+    (out / f"stopped{rank}.json").write_text(json.dumps(record))
+    # The timed-out collective left the default group out of step: no collective on it again.
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_trial_out_of_memory_on_one_rank_stops_every_rank_with_one_error(tmp_path):
+    run_ranks(tmp_path, [oom_on_one_rank], timeout=120)
+    records = [json.loads((tmp_path / "oom_on_one_rank" / f"stopped{r}.json").read_text()) for r in (0, 1)]
+    for record in records:
+        assert record["seconds"] < 60  # left the collective at its shortened timeout, not torch's 30 min
+        assert record["timeout"] == 1800  # torch's default again
+        assert record["model_batch_size"] == 8  # no half-applied search
+    assert records[0]["error"] == records[1]["error"] and records[0]["error"]
+    assert records[0]["batch_size"] == 2 * OOM_ABOVE and records[0]["ranks"] == [1]
+    assert "rank 1" in records[0]["error"] and f"max_val below {2 * OOM_ABOVE}" in records[0]["error"]
+
+
+def _search_on_threads(trial) -> list:
+    """run_search_across_ranks on two thread ranks, each running ``trial(rank, size)``; what
+    each rank returned or raised."""
+    world = 2
+    hub = {"slots": [None] * world, "lock": threading.Lock(), "barrier": threading.Barrier(world, timeout=20)}
+    outcome: list = [None, None]
+
+    def rank_main(rank: int) -> None:
+        hub["lock"].acquire()
+        try:
+            outcome[rank] = run_search_across_ranks(lambda size: trial(rank, size), ThreadRanks(rank, hub),
+                                                    init_val=4, max_val=64)
+        except Exception as exc:
+            outcome[rank] = exc
+        finally:
+            hub["lock"].release()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+def test_out_of_memory_beside_a_failed_collective_stops_every_rank_alike():
+    """Rank one runs out of memory above 8; at that size rank zero's collective times out."""
+    def trial(rank: int, size: int) -> TrialResult:
+        if size > 8:
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+        return TrialResult(True, peak_bytes=size, seconds=0.01)
+
+    outcome = _search_on_threads(trial)
+    assert all(isinstance(o, SearchStoppedError) for o in outcome), outcome
+    assert str(outcome[0]) == str(outcome[1]) and outcome[0].batch_size == 16 and outcome[0].ranks == [1]
+    assert "rank 1" in str(outcome[0]) and "Timed out" in str(outcome[0])
+
+
+def test_out_of_memory_after_every_collective_is_an_infeasible_size_on_every_rank():
+    """Rank one runs out of memory above 8 where rank zero's step completes: no collective
+    was left waiting, so the size is infeasible and the search goes on to the answer."""
+    def trial(rank: int, size: int) -> TrialResult:
+        if size > 8 and rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return TrialResult(True, peak_bytes=size, seconds=0.01)
+
+    outcome = _search_on_threads(trial)
+    assert [o.largest_feasible for o in outcome] == [8, 8] and outcome[0].smallest_infeasible == 9

@@ -19,7 +19,10 @@ Under ``remat_ddp`` and ``remat_fsdp`` the search spans the ranks
 rank runs each trial's steps, a size fits only when it fits on every rank (the worst peak
 over ranks), and every rank writes the same answer, so every rank's dataloader gets it.
 Lightning's ``BatchSizeFinder`` refuses distributed strategies because the ranks would have
-to agree on an out-of-memory error; here each rank measures, and the ranks compare.
+to agree on an out-of-memory error; here each rank measures, and the ranks compare on a
+group of their own. A rank that runs out of memory before one of the step's collectives
+leaves the others in it until ``collective_timeout``; then every rank stops with one
+:class:`~lightning_remat.errors.SearchStoppedError` (docs/design.md section 7).
 
 Lightning's private names used (each commented where used) are ones its own
 ``BatchSizeFinder`` uses: ``fit_loop._data_source``, ``fit_loop._combined_loader`` and
@@ -53,7 +56,12 @@ from lightning_remat.cache import default_cache_dir
 from lightning_remat.device import default_budget
 from lightning_remat.graph.ir import Graph
 from lightning_remat.lightning.strategy import RematHooks
-from lightning_remat.lightning.trial import PLAIN, LightningTrial, SearchSettings
+from lightning_remat.lightning.trial import (
+    PLAIN,
+    LightningTrial,
+    SearchSettings,
+    collectives_bounded,
+)
 from lightning_remat.messages import DistributedRanks, world_size
 from lightning_remat.meter import collector_settled
 from lightning_remat.planner import PlanSettings, planning_summary, solver_options
@@ -63,6 +71,7 @@ from lightning_remat.solvers.scoring import model_margin
 from lightning_remat.tuning import (
     SearchResult,
     TrialFn,
+    TrialResult,
     check_search_args,
     default_storage,
     predict_largest,
@@ -114,6 +123,12 @@ class RematBatchSizeFinder(Callback):
         study_name: prefix of the study names (default: model class, device, budget, solver,
             input shape).
         progress_bar: show a tqdm bar per search.
+        collective_timeout: across ranks, seconds a collective of a trial's step may wait
+            for the other ranks (``torch.distributed.set_timeout`` during each trial,
+            restored after): a rank that ran out of memory before a collective leaves the
+            others waiting in it this long, then the search stops on every rank with a
+            :class:`~lightning_remat.errors.SearchStoppedError`. Raise it where ranks
+            legitimately wait longer for each other within one step.
 
     After the search, ``report`` holds the :class:`~lightning_remat.tuning.BatchSizeReport`
     (``print(finder.report)`` shows the table) and ``optimal_batch_size`` the size written.
@@ -139,6 +154,7 @@ class RematBatchSizeFinder(Callback):
         storage: str | None = None,
         study_name: str | None = None,
         progress_bar: bool = True,
+        collective_timeout: float = 120.0,
     ) -> None:
         check_search_args(init_val, max_val, granularity)
         if not isinstance(steps_per_trial, int) or steps_per_trial < 1:
@@ -155,6 +171,10 @@ class RematBatchSizeFinder(Callback):
         self.storage = storage
         self.study_name = study_name
         self.progress_bar = progress_bar
+        if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)) \
+                or not collective_timeout > 0:
+            raise ValueError(f"collective_timeout={collective_timeout!r} must be a number of seconds > 0")
+        self.collective_timeout = float(collective_timeout)
         self.report: BatchSizeReport | None = None
         self.optimal_batch_size: int | None = None
         self._early_exit = False
@@ -224,7 +244,12 @@ class RematBatchSizeFinder(Callback):
             solver=solver, progress_bar=self.progress_bar, hint=hint,
         )
         if world_size() > 1:
-            return run_search_across_ranks(trial_fn, DistributedRanks(), **search_args)
+            # Its own gloo group for the verdicts, and each trial's collectives bounded in time.
+            def bounded(batch_size: int) -> TrialResult:
+                with collectives_bounded(trainer.strategy, self.collective_timeout):
+                    return trial_fn(batch_size)
+
+            return run_search_across_ranks(bounded, DistributedRanks(own_group=True), **search_args)
         return run_search(trial_fn, **search_args)
 
     def _predict(self, trial: TrialFn, solver: str, settings: SearchSettings, init_val: int) -> int | None:

@@ -32,6 +32,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,25 @@ def _trainer_kept(trainer: pl.Trainer) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _resharded_after_error(model: nn.Module) -> Iterator[None]:
+    """After an error inside a step (out of memory in the middle of FSDP's forward), each
+    root torch FSDP unit resets its iteration (``FSDPModule.reset_iter_state``: waits for
+    its pending collectives, reshards every unit, clears its per-step state), so the
+    trial's state is restored into the sharded parameters and the next trial starts clean."""
+    try:
+        yield
+    except BaseException:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        roots = [name for name in units
+                 if not any(name.startswith(f"{other}.") or (other == "" and name) for other in units)]
+        for name in roots:
+            model.get_submodule(name).reset_iter_state()
+        raise
+
+
+@contextlib.contextmanager
 def _logging_muted(model: pl.LightningModule) -> Iterator[None]:
     """``self.log`` outside the loop's control flow raises; trials log nothing."""
     model.log = lambda *a, **k: None  # type: ignore[method-assign]
@@ -131,6 +151,51 @@ def _optimizers_preserved(optimizers: list[torch.optim.Optimizer]) -> Iterator[N
     finally:
         for opt, state in zip(optimizers, states):
             opt.load_state_dict(state)
+
+
+def _step_groups(strategy: Any) -> list[Any]:
+    """The process groups a training step's collectives run on: the default group (DDP, a
+    model's own collectives) and the groups of the strategy's device mesh (FSDP's)."""
+    import torch.distributed as dist
+
+    groups = [dist.group.WORLD]
+    mesh = getattr(strategy, "device_mesh", None)
+    with contextlib.suppress(Exception):  # no mesh, or not yet made: the default group only
+        groups += [g for g in mesh.get_all_groups() if g not in groups]
+    return groups
+
+
+def _timeout_of(group: Any) -> timedelta:
+    """The timeout ``group``'s collectives run under now: its backend's (private field; the
+    backends' defaults where torch does not show it)."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout  # private: torch has no getter
+    return dist.default_pg_nccl_timeout if dist.get_backend(group) == "nccl" else dist.default_pg_timeout
+
+
+@contextlib.contextmanager
+def collectives_bounded(strategy: Any, seconds: float) -> Iterator[None]:
+    """Inside, a collective of the training step that waits more than ``seconds`` fails
+    (``torch.distributed.set_timeout`` on each group the step uses, restored after): a rank
+    that ran out of memory before one of them leaves the others waiting in it only that
+    long (docs/design.md section 7, "Batch-size search"). Nothing changes on one process."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        yield
+        return
+    groups = _step_groups(strategy)
+    before = [_timeout_of(g) for g in groups]
+    for group in groups:
+        dist.set_timeout(timedelta(seconds=seconds), group)
+    try:
+        yield
+    finally:
+        for group, timeout in zip(groups, before):
+            dist.set_timeout(timeout, group)
 
 
 def resize_batch(batch: Any, batch_size: int) -> Any:
@@ -377,7 +442,7 @@ class LightningTrial:
         with (
             preserved_training_state(model), _optimizers_preserved(list(trainer.optimizers)),
             _trainer_kept(trainer), _logging_muted(model),
-            _strategy_planning_paused(trainer.strategy),
+            _strategy_planning_paused(trainer.strategy), _resharded_after_error(model),
         ):
             model.train()
             batch = self.batch(batch_size)
@@ -389,7 +454,7 @@ class LightningTrial:
                 planner = Planner(
                     self.target, dataclasses.replace(self.settings.plan, solver=self.solver),
                     cache=PlanCache(self.settings.cache_dir / "plans.sqlite"),
-                    ranks=DistributedRanks() if world_size() > 1 else None,  # rank zero plans
+                    ranks=DistributedRanks(own_group=True) if world_size() > 1 else None,  # rank zero plans
                     profiler=self._graph_for_trial if self.family else None,
                     loss_fn=self._loss,
                     tracer=self._trace_for_trial if self.family else None,
@@ -443,7 +508,7 @@ def _over_budget_somewhere(planned: Planned) -> str:
     waiting in it."""
     if world_size() == 1:
         return ""
-    budgets = DistributedRanks().gather(planned.budget_bytes)
+    budgets = DistributedRanks(own_group=True).gather(planned.budget_bytes)
     # Rank zero made the plan for its budget; a rank with less must fit it on its own.
     made_for, need = budgets[0], planned.plan.guaranteed_peak_bytes
     over = [f"rank {rank}: the plan needs {need} B, over its budget {budget} B"
