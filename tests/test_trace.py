@@ -230,3 +230,43 @@ def test_edges_that_carry_only_sizes_are_marked():
     assert sorted(graph.predecessors("view")) == ["a", "b"]
     assert graph.meta.shape_edges == [["a", "view"]]
     assert trace_module(ViewBySize(), torch.randn(2, 3, 6, 6)).graph.meta.shape_edges == []
+
+
+class DropPathBlock(nn.Module):
+    """timm's ``drop_path`` as it is written: the mask scaled in place by a statement whose
+    result nothing reads, then multiplied in."""
+
+    def __init__(self, width: int = 64, keep: float = 0.7) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.keep = nn.Linear(width, width), nn.Linear(width, width), keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        mask = h.new_empty((h.shape[0], 1)).bernoulli_(self.keep)
+        mask.div_(self.keep)
+        return self.fc2(x + h * mask)
+
+
+def test_a_reader_after_an_unused_inplace_statement_reads_its_result() -> None:
+    """The multiply reads the mask after ``div_`` scaled it: the vertex graph has the edge
+    from the division to the multiply, so no plan can run them in the other order; and a
+    plan that recomputes the block trains as plain does."""
+    from lightning_remat import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(DropPathBlock(), DropPathBlock(), DropPathBlock())
+    x = torch.randn(512, 64)
+    graph = trace_module(model, (x,)).graph
+    divs = [v for v in graph.ids if graph[v].op in ("div_", "div")]
+    assert divs and all(any(graph[w].op == "mul" for w in graph.successors(v)) for v in divs)
+
+    import copy
+
+    plain = copy.deepcopy(model)
+    remat_model = remat(model, x, "75%")
+    assert remat_model.plan.count("recompute") > 0
+    for module in (plain, remat_model):
+        torch.manual_seed(1)
+        module(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)

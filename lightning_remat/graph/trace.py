@@ -561,11 +561,37 @@ def _trace_export(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     return _checked(module, traced, inputs, kwargs, devices)
 
 
+def readers_follow_inplace(gm: fx.GraphModule) -> int:
+    """Point every reader of a tensor that comes after an in-place op writing it at that op's
+    node, which returns the same tensor; returns how many inputs moved.
+
+    The result of a statement like ``mask.div_(keep)`` (timm's ``drop_path``) has no user in
+    the traced graph: its later reader ``x * mask`` reads ``mask``'s node, so the vertex graph
+    had no edge from the division to the multiply, a plan could place them in either order,
+    and an executor running the division out of place would hand the multiply the unscaled
+    mask. Reading the op's node instead makes the dependence an edge. Buffers (``get_attr``)
+    are left to the tracing of side effects."""
+    order = {node: k for k, node in enumerate(gm.graph.nodes)}
+    moved = 0
+    for node in list(gm.graph.nodes):
+        operand = mutated_operand(node, gm)
+        if operand is None or operand.op == "get_attr":
+            continue
+        for user in list(operand.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(operand, node)
+                moved += 1
+    if moved:
+        gm.recompile()
+    return moved
+
+
 def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs: dict[str, Any],
              devices: list[torch.device]) -> Traced:
     """``traced`` with its vertex graph, once its graph was run on the example input and
     gave what ``module(...)`` gives."""
     gm = traced.runner
+    readers_follow_inplace(gm)
     args = traced.call_args(inputs, kwargs)
     recorder = ValueRecorder(gm)
     expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs),
