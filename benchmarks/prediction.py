@@ -23,8 +23,8 @@ model is profiled with ``profile_module`` and the simulator predicts the same st
 Each model runs in its own fresh subprocess so earlier models leave nothing behind
 (allocator caches, glibc heaps). The step is ``model(x, targets).backward()`` where the
 model ends with its cross-entropy loss (``benchmarks.models.WithLoss``). torchvision models
-need torchvision: the workers run under ``--python`` (default: the benchmarks' venv,
-``.venv-bench``, when it exists, else this interpreter).
+need torchvision (``make``'s venv has it): the workers run under ``--python`` (default: this
+interpreter).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VISION_PYTHON = str(ROOT / ".venv-bench" / "bin" / "python")
 RESULTS = ROOT / "benchmarks" / "results"
 
 # name -> (batch, description); small sizes so the CPU run takes a few minutes.
@@ -203,8 +202,7 @@ def main() -> None:
                         help="measure a plain and a sqrt(n) plan on the small models instead")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--python", default=VISION_PYTHON if Path(VISION_PYTHON).exists()
-                        else sys.executable, help="interpreter for the workers (needs torchvision)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter for the workers (needs torchvision)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -102,3 +102,35 @@ def test_a_kept_view_of_a_recomputed_value_is_what_its_reader_saves() -> None:
     assert recomputed == graph.ids[:6]
     for solver in sorted(SOLVERS):
         check_any_solver(solver, graph)
+
+
+def test_a_view_past_an_inplace_op_run_out_of_place_lives_in_its_new_storage() -> None:
+    """An EfficientNet block's pattern, on a graph built by hand: a batch norm, an Identity
+    over it, an in-place SiLU (all one storage in the profile, named by its first owner
+    ``bn``), the stage boundary, then an Identity over the SiLU read by a squeeze-excite mean
+    and a multiply that saves it. The SiLU crosses the boundary of a recomputed stage, so it
+    runs out of place into a storage of its own: the next stage's Identity and what its
+    readers save live there, not in ``bn``'s (the simulator raised ``KeyError`` on it)."""
+    nodes = [Node("conv", "Conv2d", mem=4096, saved=4096, t_fwd=1e-4, t_bwd=2e-4),
+             Node("bn", "batch_norm", mem=4096, saved=4096 + 64, t_fwd=1e-5, t_bwd=2e-5),
+             Node("drop", "Identity", mem=4096, t_fwd=1e-6),
+             Node("act", "SiLU", mem=4096, saved=4096, t_fwd=1e-5, t_bwd=1e-5),
+             Node("aa", "Identity", mem=4096, t_fwd=1e-6),
+             Node("mean", "mean", mem=64, t_fwd=1e-6, t_bwd=1e-6),
+             Node("gate", "Linear", mem=64, saved=64, t_fwd=1e-5, t_bwd=1e-5),
+             Node("mul", "mul", mem=4096, saved=4096 + 64, t_fwd=1e-5, t_bwd=1e-5),
+             Node("out", "Conv2d", mem=4096, saved=4096, t_fwd=1e-4, t_bwd=2e-4)]
+    edges = [("conv", "bn"), ("bn", "drop"), ("drop", "act"), ("act", "aa"), ("aa", "mean"),
+             ("mean", "gate"), ("aa", "mul"), ("gate", "mul"), ("mul", "out")]
+    graph = Graph(nodes, edges, {
+        "saved_refs": {"conv": [], "bn": ["conv"], "drop": [], "act": ["bn"], "aa": [],
+                       "mean": [], "gate": ["mean"], "mul": ["bn", "gate"], "out": ["mul"]},
+        "aliases": {"drop": "bn", "act": "bn", "aa": "bn"},
+        "param_bytes": {"conv": 1024, "bn": 64, "gate": 256, "out": 1024}, "outputs": ["out"],
+        "bandwidth_bytes_per_s": BANDWIDTH_BYTES_PER_S})
+    plan = make_plan(graph, [Stage(graph.ids[:4], "recompute"), Stage(graph.ids[4:8], "recompute"),
+                             Stage(["out"], "keep")], "test")
+    assert "act" in make_schedule(graph, plan).rewritten
+    assert simulate(graph, plan).peak_bytes > 0
+    for solver in sorted(SOLVERS):
+        check_any_solver(solver, graph)

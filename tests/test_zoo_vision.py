@@ -14,8 +14,8 @@ For each, at 50% of its plain peak (``remat(model, x, "50%")``):
 and on the captured graph every registered solver keeps its contract
 (tests/test_solver_contract.py): a plan that fits, or ``RematInfeasibleError``.
 
-timm and torchvision pair with one torch release each: ``make test`` runs this file in the
-venv of the ``zoo`` extra (see the Makefile); elsewhere it is skipped.
+timm and torchvision pair with one torch release each: ``make test`` installs such a pair and
+the ``zoo`` extra (see the Makefile); elsewhere, without them, this file is skipped.
 """
 
 from __future__ import annotations

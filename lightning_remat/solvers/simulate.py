@@ -397,6 +397,14 @@ class StepSimulation:
         base: dict[str, str] = {}
         for v in ids:
             target = None if v in self.own_storage else aliases.get(v)
+            if target is not None:
+                # The profile names a storage by its first owner. Past an in-place op that
+                # runs out of place (a storage of its own), a view of that op's result, or
+                # an in-place op on it, lives in the op's new storage.
+                for u in self.pred[v]:
+                    if aliases.get(u, u) == target and u in base and base[u] != base.get(target):
+                        target = u
+                        break
             if (target is None and guess_views and self.node[v].op in VIEW_OPS
                     and len(self.pred[v]) == 1):
                 target = self.pred[v][0]
@@ -422,9 +430,10 @@ class StepSimulation:
         aliases = self.aliases
         for r in saved_refs.get(v, ()):
             # The profile names a storage by its first owner; an in-place op the executor
-            # rewrote owns a storage of its own, which v saves when it reads that op.
+            # rewrote owns a storage of its own, which v saves when it reads that op or a
+            # view of its result.
             for reader_input in (v, *self.pred[v]):
-                if reader_input in self.own_storage and aliases.get(reader_input) == r:
+                if aliases.get(reader_input) == r and self.base[reader_input] != self.base.get(r):
                     r = reader_input
                     break
             if r in self.base:
