@@ -49,7 +49,6 @@ from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
     CompiledStages,
     KeptRegion,
-    KeptValues,
     RestoreNormStatistics,
     StageProgram,
     boundary_policy,
@@ -303,13 +302,12 @@ class RematModule(nn.Module):
                 # Selective checkpointing imports sympy on first use, which adds a warning
                 # filter: the filters are restored (the library changes no global state).
                 guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
-                region = KeptRegion() if program.selective else None
-                values = KeptValues() if program.handed_on else None
+                region = KeptRegion() if program.kept_boundary else None
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
-                        program.fn, self, *[r for r in (region, values) if r is not None], *inputs,
+                        program.fn, self, *([region] if region else []), *inputs,
                         use_reentrant=False, preserve_rng_state=True,
-                        context_fn=self._context_fn(program, sharded, region, values),
+                        context_fn=self._context_fn(program, sharded, region),
                     )
             elif program.action == "offload" and grad_mode:
                 hooks = self._remat_offload_factory(program.index, variant.plan.stages[program.index])
@@ -319,10 +317,8 @@ class RematModule(nn.Module):
                     hooks.reserve(*plan_offload_bytes(variant.graph, variant.plan))
                 with hooks:
                     outputs = program.fn(self, *inputs)
-            elif program.selective:  # its code marks the kept nodes of a region
+            elif program.kept_boundary:  # its code marks the kept nodes of a region
                 outputs = program.fn(self, KeptRegion(), *inputs)
-            elif program.handed_on:  # its code keeps values for a recomputation
-                outputs = program.fn(self, KeptValues(), *inputs)
             else:
                 outputs = program.fn(self, *inputs)
             del inputs
@@ -334,26 +330,23 @@ class RematModule(nn.Module):
             return pytree.tree_unflatten(list(rebuild_output(stages.output, env)), variant.output_spec)
         return rebuild_output(stages.output, env)
 
-    def _context_fn(self, program: StageProgram, sharded: bool, region: KeptRegion | None,
-                    values: KeptValues | None = None) -> Callable[[], tuple[Any, Any]]:
+    def _context_fn(self, program: StageProgram, sharded: bool,
+                    region: KeptRegion | None) -> Callable[[], tuple[Any, Any]]:
         """The contexts the stage's forward and its recomputation run in: selective
         checkpointing that keeps the boundary values (docs/design.md section 5), its policy
         reading this call's ``region``, and the norm statistics restored around the
-        recomputation. ``sharded``: the module holds FSDP units. ``values``: the kept
-        values a stage without the policy hands on to its recomputation."""
+        recomputation. ``sharded``: the module holds FSDP units."""
         restores = bool(program.norm_modules or program.state_buffers)
         once = _once_per_step(self, program)
         if region is None:
-            if not restores and once is None and values is None:
+            if not restores and once is None:
                 return torch.utils.checkpoint.noop_context_fn
 
             def plain() -> tuple[Any, Any]:
                 kept = once() if once is not None else None
                 forward: Any = kept.forward() if kept is not None else contextlib.nullcontext()
                 return forward, _Contexts(*([kept.recompute] if kept is not None else []),
-                                          *([lambda: RestoreNormStatistics(self, program)] if restores else []),
-                                          *([lambda: values.replaying(lambda: not _graph_kept())]
-                                            if values is not None else []))
+                                          *([lambda: RestoreNormStatistics(self, program)] if restores else []))
 
             return plain
 
@@ -510,7 +503,7 @@ def build_variant(
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if graph is None:
         graph = fx_vertex_graph(gm, plan, charge)
-    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge, graph)
+    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
     stages.output = with_output_containers(stages.output, output_spec)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
 

@@ -24,23 +24,10 @@ BatchNorm running statistics: :class:`RestoreNormStatistics` snapshots and resto
 running statistics of a stage's norm layers around its recomputation, so they are updated
 exactly once per step, as in the plain run (docs/design.md section 5).
 
-Kept values, kept from the forward so only the rest of a recomputed stage runs again, in the
-cheapest of three ways, since a selective-checkpoint policy passes every op of the forward
-and of the recomputation through Python dispatch (on the CPU, a quarter of a transformer's
-forward time):
-
-- a kept node that saves nothing for the backward (a residual add) is a :class:`KeptCall`
-  in the stage's code, whose value the :class:`KeptValues` of the call hands from the
-  forward to the recomputation (:attr:`StageProgram.handed_on`);
-- the others need nothing where torch's non-reentrant checkpoint stops the recomputation
-  before them: at or after the stage's last saving op, which packs only what exists before
-  it runs (a boundary Linear; :func:`saving_ops`);
-- else (a kept ReLU saves its output) they run between the ``begin`` and ``end`` of the
-  :class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
-  stage's selective-checkpoint policy, reads (:attr:`StageProgram.selective`).
-
-Which applies comes from what the profile recorded each op saving; a graph without that
-record (a hand-made plan) takes the policy.
+Kept values: a recomputed stage's kept nodes run between the ``begin`` and ``end`` of the
+:class:`KeptRegion` its code takes as an argument, which :func:`boundary_policy`, the
+stage's selective-checkpoint policy, reads, so their outputs are kept from the forward and
+only the rest of the stage runs again.
 
 Length: compiling stage programs and the region their policy reads are one algorithm over
 the schedule; splitting them would pass the schedule's internals between modules.
@@ -63,13 +50,12 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.graph.effects import state_write_target
-from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.solvers.schedule import Schedule, ScheduleParts
+from lightning_remat.solvers.schedule import Schedule
 
-__all__ = ["CompiledStages", "KeptCall", "KeptRegion", "KeptValues", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
-           "call_out_of_place", "compile_stages", "saving_ops",
+__all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
+           "call_out_of_place", "compile_stages",
            "rebuild_output", "with_output_containers"]
 
 # ---------------------------------------------------------------------------------------
@@ -253,19 +239,6 @@ class StageProgram:
     and not run again (the schedule's ``kept``, docs/design.md section 5). The stage's code
     then takes a :class:`KeptRegion` after ``self`` and marks each such node's code with its
     ``begin``/``end``."""
-    handed_on: list[str] = field(default_factory=list)
-    """For a recomputed stage run without the policy: the kept nodes that save nothing for
-    the backward (a residual add, a concatenation). Its code takes a :class:`KeptValues`
-    after ``self``; each such node's value is held from the forward and handed to the
-    recomputation instead of run again. Skipping them leaves the order in which the
-    recomputation packs saved tensors, by which checkpoint matches them, as the forward's."""
-    selective: bool = False
-    """Whether the stage's recomputation runs under its selective-checkpoint policy
-    (:func:`boundary_policy`), whose code then takes the :class:`KeptRegion`. A recomputed
-    stage whose kept nodes save nothing for the backward and follow every node that does
-    runs under plain checkpoint instead: its recomputation stops at the last saved tensor
-    (torch's early stop), before any kept node, so nothing kept runs again, and no op of
-    its forward or recomputation passes a Python dispatch mode (docs/design.md section 5)."""
     stage_graph: fx.Graph | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -275,9 +248,6 @@ class StageProgram:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A program pickled before ``selective`` existed took its region wherever it kept.
-        state.setdefault("selective", bool(state.get("kept_boundary")))
-        state.setdefault("handed_on", [])
         self.__dict__.update(state)
         if self.fn is None and self.stage_graph is not None:
             self.source, self.fn = _compile_stage(self.stage_graph, self.index)
@@ -296,13 +266,9 @@ def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[...
 def _build_programs(
     graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
     members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
-    saving: dict[str, bool] | None = None, charge: dict[str, str] | None = None,
-    replayable: frozenset[str] | None = None,
 ) -> tuple[list[StageProgram], Any]:
     """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
-    outputs a recomputed stage keeps; ``saving``: :func:`saving_ops`; ``replayable``: the
-    vertices whose kept outputs the stage's code hands on, :func:`handed_on_vertices`), with the action the schedule gives it."""
-    charge = charge or {}
+    outputs a recomputed stage keeps), with the action the schedule gives it."""
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def value_stage(node: fx.Node) -> int:
@@ -339,14 +305,9 @@ def _build_programs(
                 inputs.append(arg.name)
             return env[arg.name]
 
-        # Kept nodes that save nothing are handed on from the forward by the stage's code;
-        # the rest, unless the recomputation stops before them, need the policy.
-        handed = {n for n in kept_nodes[k] if charge.get(n, n) in (replayable or ())}
-        selective = bool(kept_nodes[k] - handed) and _needs_policy(
-            stage_nodes, kept_nodes[k] - handed, saving, charge)
-        kept, handed = (kept_nodes[k], set()) if selective else (set(), handed)
+        kept = kept_nodes[k]
         # Placeholders first: fx wants them at the top of the graph.
-        region = stage_graph.placeholder("_remat_region") if kept or handed else None
+        region = stage_graph.placeholder("_remat_region") if kept else None
         for node in stage_nodes:
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
@@ -359,8 +320,6 @@ def _build_programs(
             if node.name in kept:
                 stage_graph.call_method("begin", (region,))
             env[node.name] = stage_graph.node_copy(node, lookup)
-            if node.name in handed:
-                _hand_on(stage_graph, env[node.name], region, node.name)
             if node.name in kept:
                 stage_graph.call_method("end", (region,))
             written.extend(str(a.target) for a in node.all_input_nodes
@@ -389,9 +348,7 @@ def _build_programs(
             source=source, fn=fn, norm_modules=sorted(set(norm_modules)),
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             written_state=sorted(set(written)), called_modules=sorted(set(called)),
-            kept_boundary=[n.name for n in stage_nodes if n.name in kept_nodes[k]],
-            selective=selective, handed_on=[n.name for n in stage_nodes if n.name in handed],
-            stage_graph=stage_graph,
+            kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
         ))
     output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
     return programs, output_structure
@@ -403,129 +360,6 @@ def _kept_nodes(stage_nodes: list[fx.Node], kept_vertices: frozenset[str],
     schedule's kept vertices, a tuple producer (``chunk``) with the vertex the trace charges
     it to."""
     return {n.name for n in stage_nodes if charge.get(n.name, n.name) in kept_vertices}
-
-
-def saving_ops(graph: Graph) -> dict[str, bool] | None:
-    """The vertices of a profiled ``graph`` whose ops save tensors for the backward, each
-    mapped to whether it saves only tensors that exist before it runs (its inputs, the
-    step's inputs, other vertices' outputs, parameters: autograd packs those before the
-    kernel runs), not its own output nor a tensor it makes inside (a norm's statistics).
-    None where the profile did not record what each op saves."""
-    meta = graph.meta
-    if meta.saved_refs is None:
-        return None
-    saving = ScheduleParts.of(graph).saving
-    inputs = meta.saved_input_bytes or {}
-    ids = set(graph.ids)
-
-    def before_kernel(v: str) -> bool:
-        refs = meta.saved_refs.get(v) or []
-        if v in refs or any(r not in ids for r in refs):
-            return False
-        return graph[v].saved - sum(graph[r].mem for r in refs) - inputs.get(v, 0) <= 0
-
-    return {v: before_kernel(v) for v in saving}
-
-
-def _needs_policy(stage_nodes: list[fx.Node], kept: set[str], saving: dict[str, bool] | None,
-                  charge: dict[str, str]) -> bool:
-    """Whether a recomputed stage needs its selective-checkpoint policy to keep ``kept``
-    (its kept nodes) from running again. Without it, torch's non-reentrant checkpoint
-    recomputes the stage in order and stops when the last tensor its forward saved is
-    packed again. So no kept node runs again when every kept node comes at or after the
-    stage's last saving node (``saving``: :func:`saving_ops`; None: unknown) and that node,
-    if kept, saves only tensors that exist before its kernel runs (a boundary Linear: its
-    input is packed, then the recomputation stops), the ones after it saving nothing (a
-    residual add, a concatenation, a view). Under
-    ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` such a stage runs again
-    whole, as the user asked of checkpoint."""
-    if saving is None:
-        return True
-    vertex = [charge.get(n.name, n.name) for n in stage_nodes]
-    last = max((i for i, v in enumerate(vertex) if v in saving), default=-1)
-    for i, node in enumerate(stage_nodes):
-        if node.name not in kept:
-            continue
-        if i < last or (i == last and not saving[vertex[i]]):
-            return True
-    return False
-
-
-def handed_on_vertices(graph: Graph, saving: dict[str, bool] | None) -> frozenset[str] | None:
-    """The vertices of a profiled ``graph`` whose kept outputs a stage's code can hand from
-    its forward to its recomputation (:class:`KeptValues`): their ops save nothing for the
-    backward, so skipping them packs nothing less, and they own their storage (a kept view
-    would hold its base's). None where the profile did not record saves and views."""
-    meta = graph.meta
-    if saving is None or meta.aliases is None:
-        return None
-    views = set(meta.aliases) | set(meta.resident_views or ())
-    return frozenset(v for v in graph.ids if v not in saving and v not in views)
-
-
-class KeptCall:
-    """A kept node's op in a stage's code (:attr:`StageProgram.handed_on`): runs it in the
-    forward and keeps its value in the call's :class:`KeptValues`; in the recomputation
-    hands that value on. ``target``: the op (a function), a method name (``method``), or
-    None for a module, which the code passes as the first argument."""
-
-    def __init__(self, target: Any = None, method: bool = False) -> None:
-        self.target = target
-        self.method = method
-        self.__name__ = "kept_" + (target if method else getattr(target, "__name__", "module"))
-        self.__module__ = __name__
-
-    def __reduce__(self) -> tuple:
-        return (KeptCall, (self.target, self.method))
-
-    def __call__(self, values: KeptValues, name: str, *args: Any, **kwargs: Any) -> Any:
-        if values.replay:
-            return values.held[name]
-        if self.method:
-            out = getattr(args[0], self.target)(*args[1:], **kwargs)
-        elif self.target is None:
-            out = args[0](*args[1:], **kwargs)
-        else:
-            out = self.target(*args, **kwargs)
-        values.held[name] = out
-        return out
-
-
-def _hand_on(stage_graph: fx.Graph, node: fx.Node, values: fx.Node, name: str) -> None:
-    """Turn ``node`` of a stage's code into a :class:`KeptCall` of the same op."""
-    if node.op == "call_module":
-        with stage_graph.inserting_before(node):
-            module = stage_graph.get_attr(str(node.target))
-        call, args = KeptCall(), (module, *node.args)
-    elif node.op == "call_method":
-        call, args = KeptCall(str(node.target), method=True), node.args
-    else:
-        call, args = KeptCall(node.target), node.args
-    node.op, node.target, node.args = "call_function", call, (values, name, *args)
-
-
-class KeptValues:
-    """The values a recomputed stage run without the policy hands from its forward to its
-    recomputation (:class:`KeptCall`): one per call of the stage, given to its code.
-    :meth:`replaying` is entered around the recomputation."""
-
-    __slots__ = ("held", "replay")
-
-    def __init__(self) -> None:
-        self.held: dict[str, Any] = {}
-        self.replay = False
-
-    @contextlib.contextmanager
-    def replaying(self, release: Callable[[], bool]) -> Iterator[None]:
-        """Hand the held values on; let go of them after when ``release()`` (no later
-        backward runs the stage again)."""
-        self.replay = True
-        try:
-            yield
-        finally:
-            self.replay = False
-            if release():
-                self.held = {}
 
 
 class KeptRegion:
@@ -665,16 +499,13 @@ class CompiledStages:
 
 def compile_stages(
     graph: fx.Graph, plan: Plan, owner: nn.Module, schedule: Schedule,
-    charge: dict[str, str] | None = None, profile: Graph | None = None,
+    charge: dict[str, str] | None = None,
 ) -> CompiledStages:
     """The stage programs of ``graph`` (a traced forward; ``plan``'s vertex ids are its node
     names, or ``charge`` maps node names to vertex ids) run by ``owner``, doing what
     ``schedule`` (``plan`` compiled on the vertex graph, ``solvers.schedule``) says: its
-    in-place ops rewritten out of place, its kept values kept. ``profile``: the profiled
-    vertex graph the plan was made on, whose record of what each op saves
-    (:func:`saving_ops`) lets a recomputed stage whose kept values would not run again
-    anyway run without a selective-checkpoint policy (:attr:`StageProgram.selective`);
-    None: every recomputed stage with kept values runs under it. ``graph`` itself is not changed."""
+    in-place ops rewritten out of place, its kept values kept. ``graph`` itself is not
+    changed."""
     if not plan.stages:
         raise ValueError("the plan has no stages")
     if len(schedule.stages) != len(plan.stages):
@@ -689,9 +520,6 @@ def compile_stages(
         if node.name in stage:
             members[stage[node.name]].append(node)
     kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
-    saving = saving_ops(profile) if profile is not None else None
-    replayable = handed_on_vertices(profile, saving) if profile is not None else None
-    programs, output = _build_programs(graph, stage, owner, members, schedule, kept, saving, charge,
-                                       replayable)
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept)
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
     return CompiledStages(programs, output, placeholders, rewritten)
