@@ -21,6 +21,10 @@ profiling.
 Lightning's private name used (commented where used) is one its own ``BatchSizeFinder``
 reads: ``fit_loop._data_source``; pyproject.toml bounds ``pytorch-lightning`` to the versions
 tested, and a test fails when it is gone.
+
+Length: one trial is one sequence (plan, run the steps, measure, restore, agree across
+ranks with the collectives bounded in time), and each part reads the state the others save
+or restore; split, the restore would sit apart from what it undoes.
 """
 
 from __future__ import annotations
