@@ -194,6 +194,27 @@ def test_a_view_past_an_inplace_op_run_out_of_place_lives_in_its_new_storage() -
         check_any_solver(solver, graph)
 
 
+def test_a_saved_storage_freed_before_its_saver_counts_as_the_savers_own() -> None:
+    """A forward run around its submodules: block ``a``'s output is read by ``act`` alone and
+    freed, then ``b`` saves a tensor the forward made at that address, so the profile names
+    ``a`` as what ``b`` saves. Every solver plans the graph (the simulator held the freed
+    storage: ``KeyError``), and ``b``'s saved bytes count at every budget."""
+    nodes = [Node("a", "Sequential", mem=4096, saved=4096, t_fwd=1e-4, t_bwd=2e-4),
+             Node("act", "Tanh", mem=4096, saved=4096, t_fwd=1e-5, t_bwd=1e-5),
+             Node("b", "Sequential", mem=4096, saved=4096, t_fwd=1e-4, t_bwd=2e-4),
+             Node("out", "Linear", mem=4096, saved=4096, t_fwd=1e-4, t_bwd=2e-4)]
+    edges = [("a", "act"), ("act", "b"), ("b", "out")]
+    meta = {"saved_refs": {"a": [], "act": ["act"], "b": ["a"], "out": ["b"]},
+            "param_bytes": {"a": 1024, "b": 1024, "out": 1024}, "outputs": ["out"],
+            "bandwidth_bytes_per_s": BANDWIDTH_BYTES_PER_S}
+    graph = Graph(nodes, edges, meta)
+    # The same step with b's save named as its own block: the same peak.
+    own = Graph(nodes, edges, {**meta, "saved_refs": {**meta["saved_refs"], "b": []}})
+    assert simulate(graph).peak_bytes == simulate(own).peak_bytes
+    for solver in sorted(SOLVERS):
+        check_any_solver(solver, graph)
+
+
 class Wide(nn.Module):
     """``branches`` Linear layers side by side on the input, stacked: every subset of the
     branches is a lower set, 2**branches of them."""

@@ -9,6 +9,7 @@ memory-safe mode.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -244,6 +245,10 @@ class SubmoduleProfiler(OpMeter):
         self.traced, self.module = traced, module
         self.labels: dict[int, str] = {}
         """Storage -> the vertex that produced it (or the input)."""
+        self.made: dict[int, weakref.ref] = {}
+        """Storage -> the vertex output that holds it: a label outlives its tensor once the
+        forward around the submodules frees it and the allocator hands its address to a
+        tensor no vertex made."""
 
     def run(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for t in tensors_in((list(inputs), kwargs)):
@@ -271,7 +276,8 @@ class SubmoduleProfiler(OpMeter):
             labels: dict[int, str] = {}
             for t in tensors_in((list(args), kwargs)):
                 ptr = storage_of(t)[0]
-                if ptr in self.labels:
+                holder = self.made.get(ptr)
+                if ptr in self.labels and (holder is None or holder() is not None):
                     labels.setdefault(ptr, self.labels[ptr])
             if self.safe:
                 for rec in self.records:
@@ -284,6 +290,7 @@ class SubmoduleProfiler(OpMeter):
                 ptr = storage_of(t)[0]
                 if ptr not in labels:  # not a view of an input
                     self.labels[ptr] = vid
+                    self.made[ptr] = weakref.ref(t)
             return out
 
         return forward

@@ -75,6 +75,7 @@ storage bookkeeping across modules.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,6 +389,7 @@ class StepSimulation:
         self.aliases = meta.aliases or {}
         self.base = self._storage_bases(ids, meta.aliases or {}, guess_views)
         self.requires = self._requires_grad(ids, meta.param_bytes is not None)
+        self.last_read = self._last_reads(ids)
         self.saved_refs = {v: self._refs_of(v, meta.saved_refs) if self.requires[v] else []
                            for v in ids}
         saved_input = meta.saved_input_bytes or {}
@@ -456,9 +458,28 @@ class StepSimulation:
                         and self.base.get(reader_input, r) != self.base.get(r, r)):
                     r = reader_input
                     break
-            if r in self.base:
+            if r in self.base and self._live_at(r, v):
                 seen.setdefault(self.base[r])
         return list(seen)
+
+    def _last_reads(self, ids: list[str]) -> dict[str, float]:
+        """Each storage's last reader's position in the plain forward (an output's storage:
+        never released in the forward)."""
+        position, outputs = self.shared.position, set(self.outputs)
+        last: dict[str, float] = {}
+        for v in ids:
+            b = self.base[v]
+            reads = [position[w] for w in self.succ[v]] + [position[v]]
+            last[b] = max(last.get(b, 0), *reads, math.inf if v in outputs else 0)
+        return last
+
+    def _live_at(self, r: str, v: str) -> bool:
+        """Whether r's storage is still alive when v runs. A profile that names a storage by
+        its address can name one freed before v (its address reused by a tensor no vertex
+        made, in a forward run around its submodules): v's op saved that newer tensor, which
+        counts as v's own saved bytes."""
+        position = self.shared.position
+        return position[r] > position[v] or self.last_read[self.base[r]] >= position[v]
 
     def _extra_saved(self, v: str, has_refs: bool, saved_input: dict[str, int]) -> int:
         """Bytes v's op saves besides forward values (all of ``saved`` without refs)."""
