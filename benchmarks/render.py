@@ -514,6 +514,8 @@ def render(results: Path = RESULTS, plots: Path = PLOTS, output: Path = OUTPUT) 
         out += [f"## {tag_dir.name}", "",
                 f"{first['machine']}, torch {first['torch']}, Python {first.get('python', '?')}, "
                 f"measured {first['date']} at {_commits(records)}{subset}.", ""]
+        if first.get("shared_device"):
+            out += [f"Step times in this run are not a fair measure: {first['shared_device']}.", ""]
         path = plot(tag_dir.name, records, plots)
         if path is not None:
             out += [f"![{tag_dir.name}: peak against step time]({path.relative_to(output.parent).as_posix()})", ""]
@@ -692,8 +694,10 @@ def summary(results: Path = RESULTS) -> str:
     prediction errors. Every other row is in RESULTS.md, linked per model."""
     tags = [d for d in sorted(results.iterdir()) if d.is_dir()] if results.is_dir() else []
     tags.sort(key=lambda d: TAG_ORDER.index(d.name) if d.name in TAG_ORDER else 99)
+    # A run whose device other work shared has no fair step times: not the headline.
     runs = [(d.name, records) for d in tags if (records := [r for r in load(d) if "peak_bytes" in
-                                                            r["rows"].get("plain", {})])]
+                                                            r["rows"].get("plain", {})
+                                                            and not r.get("shared_device")])]
     if not runs:
         return "No results yet: run `python benchmarks/run.py --quick`."
     tag, records = runs[0]  # the GPU figures, where there are any, are the ones a user's choice rests on

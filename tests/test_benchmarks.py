@@ -185,6 +185,13 @@ def test_readme_summary_names_the_smallest_budget_and_prefers_the_gpu_run(tmp_pa
     text = render.summary(tmp_path / "results")
     assert "Measured on NVIDIA H100" in text and "RESULTS.md#cuda-unet" in text
     assert "abc1234567" not in text and "#cpu-gpt" not in text
+    # A GPU run that shared its device with other work has no fair times: the CPU run leads,
+    # and RESULTS.md says why the GPU's times are not to be read.
+    cuda["shared_device"] = "another benchmark ran beside it"
+    (tmp_path / "results" / "cuda" / "unet.json").write_text(json.dumps(cuda))
+    assert "Measured on NVIDIA H100" not in render.summary(tmp_path / "results")
+    rendered = render.render(tmp_path / "results", tmp_path / "plots", tmp_path / "R.md")
+    assert "not a fair measure: another benchmark ran beside it" in rendered
 
 
 def test_the_readme_shows_the_results_files_figures() -> None:

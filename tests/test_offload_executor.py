@@ -388,13 +388,16 @@ def test_sharded_parameters_reach_the_offload_executor(tmp_path):
     """torch FSDP2's parameters are DTensors, which have no storage of their own: the
     executor keeps their local shards resident (one gloo rank)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-        fully_shard(model)
+        # On the host: without a mesh, fully_shard moves the model and its inputs to a
+        # CUDA device where one is present, and the input kept resident is not what it saves.
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
         x = torch.randn(256, 64)
         expected = model(x).sum()
         expected.backward()

@@ -100,9 +100,10 @@ def dry_run(report: Report, parts: list[str]) -> int:
     return 0
 
 
-def lightning_model(width: int = 2048, depth: int = 12, batch_size: int = 1024, shard: bool = False) -> Any:
+def lightning_model(width: int = 1024, depth: int = 12, batch_size: int = 8192, shard: bool = False) -> Any:
     """A residual MLP LightningModule (LayerNorm, Linear, GELU, Linear per block) whose
-    activations dominate its memory; ``shard``: each block and the root ``fully_shard``-ed in
+    activations dominate its memory (the defaults: a batch of 8192 rows through 1024-wide
+    layers; a wide model at a small batch is bound by its gradients, which no plan frees); ``shard``: each block and the root ``fully_shard``-ed in
     ``configure_model``. Seeded: two instances are equal."""
     import pytorch_lightning as pl
     import torch
@@ -153,3 +154,26 @@ def lightning_model(width: int = 2048, depth: int = 12, batch_size: int = 1024, 
             return DataLoader(data, batch_size=self.batch_size)
 
     return ResidualMLP()
+
+
+def step_peak() -> Any:
+    """A callback whose ``peak`` is the largest CUDA peak of a training step after the first
+    (the first plans), in bytes, above what was allocated when the step began (parameters,
+    optimizer state, the batch), up to the optimizer's update: what a budget bounds."""
+    import pytorch_lightning as pl
+    import torch
+
+    class StepPeak(pl.Callback):
+        def __init__(self) -> None:
+            self.peak = 0
+            self.base = 0
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+
+        def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step >= 1:
+                self.peak = max(self.peak, torch.cuda.max_memory_allocated() - self.base)
+
+    return StepPeak()

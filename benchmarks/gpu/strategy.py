@@ -17,7 +17,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.common import Report, dry_run, lightning_model, parser, refuse_without_cuda  # noqa: E402
+from benchmarks.gpu.common import (  # noqa: E402
+    Report,
+    dry_run,
+    lightning_model,
+    parser,
+    refuse_without_cuda,
+    step_peak,
+)
 
 CASES = {
     "fp32 at 50%": {"budget": "50%", "precision": "32-true"},
@@ -28,30 +35,9 @@ CASES = {
 STEPS = 4
 
 
-class PeakAfterPlanning:
-    """The CUDA peak of the steps after the first (the first plans), in bytes."""
-
-    def __init__(self) -> None:
-        import pytorch_lightning as pl
-        import torch
-
-        class Callback(pl.Callback):
-            peak = 0
-
-            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-                if trainer.global_step >= 1:
-                    torch.cuda.reset_peak_memory_stats()
-                    self.base = torch.cuda.memory_allocated()
-
-            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-                if trainer.global_step >= 2:
-                    Callback.peak = max(Callback.peak, torch.cuda.max_memory_allocated() - self.base)
-
-        self.callback = Callback()
-
-
 def fit(root: Path, case: dict[str, Any], remat: bool) -> tuple[dict[str, Any], int]:
-    """Train ``STEPS`` steps; the final weights (on the host) and the steps' CUDA peak."""
+    """Train ``STEPS`` steps; the final weights (on the host) and the largest step peak
+    after the first (``common.step_peak``)."""
     import pytorch_lightning as pl
     import torch
     from pytorch_lightning.strategies import ModelParallelStrategy
@@ -68,10 +54,10 @@ def fit(root: Path, case: dict[str, Any], remat: bool) -> tuple[dict[str, Any], 
     else:
         strategy = (RematStrategy(memory_budget=case["budget"], solver=case.get("solver", "auto"),
                                   cache_dir=root / "cache") if remat else "auto")
-    peak = PeakAfterPlanning()
+    peak = step_peak()
     trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=STEPS,
                          precision=case["precision"], default_root_dir=str(root), enable_checkpointing=False,
-                         enable_progress_bar=False, callbacks=[peak.callback])
+                         enable_progress_bar=False, callbacks=[peak])
     try:
         trainer.fit(model)
     finally:
@@ -80,7 +66,7 @@ def fit(root: Path, case: dict[str, Any], remat: bool) -> tuple[dict[str, Any], 
     weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()
                for k, v in model.state_dict().items()}
     torch.cuda.empty_cache()
-    return weights, type(peak.callback).peak
+    return weights, peak.peak
 
 
 def run_case(report: Report, name: str, case: dict[str, Any], atol: float) -> None:
