@@ -61,18 +61,33 @@ class AllocationLog:
         self.live = 0
         self.peak = 0
         self._count = 0
+        self._allocations: list[tuple[int, int, int]] = []  # (time, running total, size)
+        self._marks: list[tuple[int, int]] = []  # (time, index)
 
     @staticmethod
     def available() -> bool:
-        """Whether a log can start: torch runs one profiler at a time."""
-        return not _profiler_enabled()
+        """Whether a log can start: torch runs one profiler at a time, and a log running
+        inside another of ours pauses it (:func:`_running_logs`)."""
+        return not _profiler_enabled() or bool(_running_logs)
 
     def __enter__(self) -> AllocationLog:
+        self._allocations, self._marks = [], []
+        if _running_logs:
+            _running_logs[-1]._pause()
+        _running_logs.append(self)
+        self._start()
+        self.mark()
+        return self
+
+    @staticmethod
+    def _start() -> None:
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         _prepare_profiler(config, {ProfilerActivity.CPU})
         _enable_profiler(config, {ProfilerActivity.CPU})
-        self.mark()
-        return self
+
+    def _pause(self) -> None:
+        """Stop the profiler, keeping what it logged; :meth:`_start` goes on."""
+        self._collect(_disable_profiler().experimental_event_tree())
 
     def mark(self) -> int:
         """Record a point of the step; its index into ``levels`` and ``peaks``."""
@@ -83,29 +98,36 @@ class AllocationLog:
 
     def __exit__(self, *exc: object) -> None:
         self.mark()
-        result = _disable_profiler()
-        self._resolve(result.experimental_event_tree())
+        self._pause()
+        _running_logs.remove(self)
+        self._resolve()
+        if _running_logs:  # the log this one ran inside: its allocations are the outer's too
+            outer = _running_logs[-1]
+            outer._allocations.extend(self._allocations)
+            outer._start()
 
     def window(self, start: int, end: int) -> tuple[int, int, int]:
         """(level at ``start``, peak from ``start`` to ``end``, level at ``end``)."""
         peak = max(self.peaks[start + 1:end + 1], default=self.levels[start])
         return self.levels[start], max(peak, self.levels[start]), self.levels[end]
 
-    def _resolve(self, roots: list[Any]) -> None:
-        allocations: list[tuple[int, int, int]] = []  # (time, running total, size)
-        marks: list[tuple[int, int]] = []  # (time, index)
+    def _collect(self, roots: list[Any]) -> None:
         todo = list(roots)
         while todo:
             event = todo.pop()
             if event.tag == _EventType.Allocation:
                 fields = event.extra_fields
                 if fields.device.type == "cpu":
-                    allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
+                    self._allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
             elif event.name.startswith(_MARK):
-                marks.append((event.start_time_ns, int(event.name[len(_MARK):])))
+                self._marks.append((event.start_time_ns, int(event.name[len(_MARK):])))
             todo.extend(event.children)
-        allocations.sort(key=lambda a: a[0])  # stable: one thread's events keep their order
-        marks.sort()
+
+    def _resolve(self) -> None:
+        # Every event carries the allocator's running total, so the pieces logged between
+        # pauses, and those of logs run inside this one, join into one series by time.
+        allocations = sorted(self._allocations, key=lambda a: a[0])  # stable: one thread's order
+        marks = sorted(self._marks)
         base = allocations[0][1] - allocations[0][2] if allocations else 0
         level = peak = base
         self.levels = [0] * self._count
@@ -125,6 +147,30 @@ class AllocationLog:
 
 _MARK = "lightning_remat.mark."
 """The name prefix of :meth:`AllocationLog.mark`'s profiler events."""
+
+_running_logs: list[AllocationLog] = []
+"""The allocation logs entered and not yet left, innermost last. torch runs one profiler at
+a time: a log entered inside another (the planner measuring inside a step that
+:class:`~lightning_remat.lightning.MemoryTimeline` meters) pauses it and hands it its
+allocations on exit; :func:`paused` pauses the running one without."""
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Pause the running allocation log, if any, for the block: the profiler's cost per op
+    stays out of what the block times, and the block's allocations out of the log (planning
+    inside a metered training step)."""
+    if not _running_logs:
+        yield
+        return
+    log = _running_logs[-1]
+    log._pause()
+    _running_logs.remove(log)
+    try:
+        yield
+    finally:
+        _running_logs.append(log)
+        log._start()
 
 
 def step_meter(device_type: str = "cpu") -> AllocationLog | StorageMeter:

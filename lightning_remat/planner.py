@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_remat import meter
 from lightning_remat.budget import format_bytes, parse_budget, validate_budget
 from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change
 from lightning_remat.device import (
@@ -368,7 +369,9 @@ class Planner:
                 "loss_fn=...) after loading")
         self.busy = True
         try:
-            with sharded_gradients_kept(self.module):
+            # A step meter running around this call (the memory timeline's) would time the
+            # profile under torch.profiler and keep the planner's own meter from starting.
+            with sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
         finally:
             self.busy = False

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 
 import pytest
 import pytorch_lightning as pl
@@ -28,7 +29,10 @@ def remat_run(tmp_path_factory):
     kwargs = trainer_kwargs(root, max_epochs=1)
     kwargs["logger"] = logger
     trainer = pl.Trainer(strategy=RematStrategy(memory_budget="50%", cache_dir=root / "cache"), **kwargs)
-    trainer.fit(ConvNet(), loaders()[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(ConvNet(), loaders()[0])
+    trainer.caught_warnings = [str(w.message) for w in caught]
     logger.experiment.flush()
     return root / "tb" / "version_0", trainer
 
@@ -57,6 +61,15 @@ def test_strategy_adds_the_logger_and_writes_every_tag(remat_run):
     assert series == pytest.approx([e.live_bytes for e in entry.predicted_timeline().events], rel=1e-6)
     measured = acc.Scalars("remat/timeline/measured")
     assert len(measured) > len(entry.graph)  # forward and backward ops
+
+
+def test_the_plan_made_inside_a_metered_step_is_profiled_with_the_allocation_log(remat_run):
+    """The memory timeline meters each CPU step with torch.profiler's allocation log, and
+    the first step plans inside it: the planner's own meter still reads every allocation
+    (op-internal buffers included), not the storage-only fallback."""
+    _, trainer = remat_run
+    assert not [m for m in trainer.caught_warnings if m.startswith("another torch.profiler")]
+    assert trainer.strategy.planner.last.graph.meta.plain_peak_bytes > 0
 
 
 def test_callback_alone_logs_measured_scalars(tmp_path):

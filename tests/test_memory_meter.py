@@ -68,3 +68,26 @@ def test_a_running_profiler_leaves_the_storage_meter_after_one_warning():
             peak_bytes(lambda: None)
     assert [str(w.message)[:40] for w in caught] == ["another torch.profiler is running, so th"]
     assert got == 4 * 1024 * 1024
+
+
+def test_a_log_inside_a_log_reads_both():
+    """A measurement inside a metered one (the planner profiling inside a training step that
+    the memory timeline meters): both read every allocation, none of it through the storage
+    meter's fallback."""
+    import warnings
+
+    from lightning_remat.meter import AllocationLog, paused, step_meter
+
+    mib = 2**20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback's warning
+        with step_meter() as outer:
+            kept = torch.ones(16 * mib // 4)
+            with step_meter() as inner:
+                torch.ones(64 * mib // 4)
+            with paused():  # left out of the outer log
+                torch.ones(128 * mib // 4)
+            del kept
+    assert isinstance(outer, AllocationLog) and isinstance(inner, AllocationLog)
+    assert abs(inner.peak - 64 * mib) < mib, inner.peak
+    assert abs(outer.peak - 80 * mib) < mib, outer.peak
