@@ -7,7 +7,8 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
 - **rewritten**: the in-place ops that must run out of place (or on a clone) so that a
   recomputation starts from the unmodified value and a kept value stays as the forward
   made it. Op ``v`` writing ``t`` is rewritten when they are in different stages and either
-  is recomputed; when another stage reads ``t`` and is recomputed or runs on the other side
+  is recomputed (``t`` here is every value made before ``v`` in the storage it writes: an
+  Identity or a view between a batch norm and its in-place activation hides none); when another stage reads ``t`` and is recomputed or runs on the other side
   of ``v`` (a reader before ``v`` in program order placed in a later stage, or after it in
   an earlier one); when ``v`` is recomputed and its result, or ``t`` in its own stage,
   crosses the stage boundary; and when ``t`` is a step input that ``v``'s recomputed stage,
@@ -35,7 +36,7 @@ is that sequence here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import inplace_operands, random_vertices
@@ -72,6 +73,9 @@ class ScheduleParts:
     saving: frozenset[str]
     """Vertices whose op saves something for the backward (all, where the graph does not
     say: no profile)."""
+    sharing: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Vertex -> every vertex whose output lives in its storage (views of one tensor and
+    in-place results on it, as the profile names them), in order; absent: its own alone."""
 
     @classmethod
     def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
@@ -88,9 +92,16 @@ class ScheduleParts:
             saving = frozenset(
                 v for v in graph.ids
                 if requires.get(v, True) and (graph[v].saved > 0 or meta.saved_refs.get(v)))
+        groups: dict[str, list[str]] = {}
+        for v, root in (meta.aliases or {}).items():
+            groups.setdefault(root, [root]).append(v)
+        position = {v: k for k, v in enumerate(graph.ids)}
+        sharing = {v: ordered for group in groups.values()
+                   if (ordered := tuple(sorted((u for u in group if u in position), key=position.get)))
+                   for v in ordered}
         return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
                    frozenset(outputs), frozenset(meta.input_consumers or ()),
-                   {v: k for k, v in enumerate(graph.ids)}, saving)
+                   position, saving, sharing)
 
 
 @dataclass(frozen=True)
@@ -232,12 +243,15 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
                     for w in parts.input_readers):
                 rewritten.add(v)
             continue
-        st = stage_of[t]
-        if ((st != s and (recomputed[s] or recomputed[st]))
+        # v writes t's storage, and so every value made before v that lives there (an
+        # Identity or a view between a batch norm and its in-place activation): each is
+        # judged as t is.
+        held = [x for x in parts.sharing.get(t, (t,)) if position[x] < position[v]] or [t]
+        if (any(stage_of[x] != s and (recomputed[s] or recomputed[stage_of[x]]) for x in held)
                 or any(w != v and stage_of[w] != s
                        and (recomputed[stage_of[w]]
                             or (position[w] < position[v]) != (stage_of[w] < s))
-                       for w in succ[t])
-                or (recomputed[s] and (crosses(v) or (st == s and crosses(t))))):
+                       for x in held for w in succ[x])
+                or (recomputed[s] and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)))):
             rewritten.add(v)
     return rewritten
