@@ -306,7 +306,7 @@ class RematModule(nn.Module):
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
                         program.fn, self, *([region] if region else []), *inputs,
-                        use_reentrant=False, preserve_rng_state=True,
+                        use_reentrant=False, preserve_rng_state=program.preserve_rng_state,
                         context_fn=self._context_fn(program, sharded, region),
                     )
             elif program.action == "offload" and grad_mode:

@@ -240,6 +240,9 @@ class StageProgram:
     then takes a :class:`KeptRegion` after ``self`` and marks each such node's code with its
     ``begin``/``end``."""
     stage_graph: fx.Graph | None = None
+    preserve_rng_state: bool = True
+    """For a recomputed stage: whether checkpoint stashes the random-number state (the
+    schedule's ``draws_random``): a stage that draws nothing needs no stash."""
 
     def __getstate__(self) -> dict[str, Any]:
         # Generated functions do not pickle; the stage's fx graph does, and recompiles.
@@ -349,6 +352,7 @@ def _build_programs(
             state_buffers=sorted(set(state_buffers)), drop_after=drop,
             written_state=sorted(set(written)), called_modules=sorted(set(called)),
             kept_boundary=[n.name for n in stage_nodes if n.name in kept], stage_graph=stage_graph,
+            preserve_rng_state=schedule.stages[k].draws_random,
         ))
     output_structure = _plain_containers(fx.node.map_arg(output_node.args[0], lambda n: Ref(n.name)))
     return programs, output_structure

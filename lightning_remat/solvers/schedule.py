@@ -73,6 +73,8 @@ class ScheduleParts:
     saving: frozenset[str]
     """Vertices whose op saves something for the backward (all, where the graph does not
     say: no profile)."""
+    random_recorded: bool = False
+    """Whether ``random`` is what the tracer saw the ops draw (else op names guess it)."""
     sharing: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Vertex -> every vertex whose output lives in its storage (views of one tensor and
     in-place results on it, as the profile names them), in order; absent: its own alone."""
@@ -101,7 +103,7 @@ class ScheduleParts:
                    for v in ordered}
         return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
                    frozenset(outputs), frozenset(meta.input_consumers or ()),
-                   position, saving, sharing)
+                   position, saving, meta.random is not None, sharing)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ class StageSchedule:
     runs_again: bool = False
     """For a recomputed stage: whether its backward runs it again at all (no: none of its
     ops saves anything, so the backward never asks checkpoint for what it saved)."""
+    draws_random: bool = True
+    """For a recomputed stage: whether an op it runs again draws random numbers, so that
+    checkpoint must stash the generator's state for the recomputation to draw the same
+    (``preserve_rng_state``). True where the tracer did not record which ops draw."""
 
     @property
     def offloaded(self) -> bool:
@@ -216,10 +222,11 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             and (v in rewritten or v not in parts.inplace)
         )
         runs_again = any(v in parts.saving for v in vertices)
+        recomputed = tuple(v for v in vertices if v not in kept) if runs_again else ()
         stages.append(StageSchedule(
-            "recompute", vertices, kept,
-            tuple(v for v in vertices if v not in kept) if runs_again else (),
-            frozenset(v for v in vertices if v in rewritten), runs_again))
+            "recompute", vertices, kept, recomputed,
+            frozenset(v for v in vertices if v in rewritten), runs_again,
+            not parts.random_recorded or any(v in parts.random for v in recomputed)))
     return Schedule(tuple(stages))
 
 

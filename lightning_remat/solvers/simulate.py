@@ -11,7 +11,8 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
 - **The random-number state.** ``torch.utils.checkpoint`` (``preserve_rng_state=True``, as
-  the executors run it) stashes the CPU generator's state (``torch.get_rng_state()``, a
+  the executors run a stage that draws random numbers, the schedule's ``draws_random``)
+  stashes the CPU generator's state (``torch.get_rng_state()``, a
   host tensor of a few kilobytes) when a recomputed stage's forward starts, for its
   recomputation to draw the same numbers; it is freed with the stage's frame when its
   backward has finished. It is device memory on the CPU only (on CUDA the stash is host
@@ -527,7 +528,7 @@ class StepSimulation:
     def forward_stage(self, k: int) -> None:
         self.forward_done = k + 1
         in_closure: set[object] = set()
-        if self.actions[k] == "recompute" and self.shared.rng_state_bytes:
+        if self.actions[k] == "recompute" and self.shared.rng_state_bytes and self.schedule.stages[k].draws_random:
             # Checkpoint's stash of the random-number state, until the stage's frame goes.
             key = ("rng", k)
             self.mem.alloc(key, self.shared.rng_state_bytes, 1)
@@ -655,14 +656,15 @@ class StepSimulation:
             if base[v] != v and base[v] in rkey and base[v] not in kept:
                 kept_aliases.setdefault(base[v], set()).add(v)
         fork = ("rng_fork", k)
-        if self.shared.rng_state_bytes:
+        stash = self.shared.rng_state_bytes if self.schedule.stages[k].draws_random else 0
+        if stash:
             # fork_rng's copy of the generator's state, for the recomputation's length.
-            self.mem.alloc(fork, self.shared.rng_state_bytes, 1)
+            self.mem.alloc(fork, stash, 1)
         for v in stage:
             saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
                          for r in self.saved_refs[v] if stage_of[r] == k}
             self._recompute_op(k, v, rkey, re_refs, saved_key)
-        if self.shared.rng_state_bytes:
+        if stash:
             self.mem.release(fork)
             self.timeline.events[-1].live_bytes = self.mem.live
 
