@@ -88,6 +88,7 @@ from lightning_remat.runtime.module import (
     measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
+from lightning_remat.runtime.stepcheck import StepMeter, step_meter, watch_backward
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
@@ -191,6 +192,10 @@ class Planned:
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
     basis: PlanBasis | None = None
     """What decided the plan (stored beside it in the cache and in checkpoints)."""
+    checked: bool = False
+    """Whether the first training step under the plan was measured (or will not be)."""
+    measured_peak_bytes: int | None = None
+    """The first training step's measured peak (None: not measured)."""
 
     @property
     def graph(self) -> Graph:
@@ -265,6 +270,7 @@ class Planner:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
+        state["step_meter"] = state["_open_meter"] = None  # the default meter when loaded
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
@@ -289,9 +295,16 @@ class Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         tracer: Tracer | None = None,
         free_memory: Callable[[torch.device], int | None] | None = None,
+        step_meter: Callable[[torch.device], StepMeter] | None = None,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
+        self.step_meter = step_meter
+        """Makes the meter of a plan's first training step (None:
+        :func:`~lightning_remat.runtime.stepcheck.step_meter`)."""
+        self._open_meter: StepMeter | None = None
+        self._excess: dict[InputKey, tuple[int, int]] = {}
+        """Keys whose first step measured over the plan: (measured peak, excess)."""
         self.profiler = profiler
         self.tracer = tracer
         self.loss_fn = loss_fn
@@ -317,6 +330,7 @@ class Planner:
         check_solver_for_device(self.settings.solver, module_device(module))
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
+        self.remat_module.set_step_check(self._check_step)
         try:
             self._signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -363,8 +377,9 @@ class Planner:
             self._loss_fn_left_out = False  # one warning
             warn_caller(
                 "lightning_remat: this module was loaded from a pickle, which does not keep the "
-                "loss_fn it was planned with; planning its new inputs with the default loss (the "
-                "sum of the outputs), whose memory may differ from your loss's. To count your "
+                "loss_fn it was planned with; planning its new inputs with the default loss (the loop "
+                "people write: the outputs held to the step's end, a cross-entropy over them), whose "
+                "memory may differ from your loss's. To count your "
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
@@ -436,6 +451,7 @@ class Planner:
         return message.unpack()
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
+        self._close_meter()
         if not training and self.last is not None:
             key = self.key(args, kwargs)
             if key not in self.planned and same_values(key, self.last.key):
@@ -443,7 +459,80 @@ class Planner:
                 # evaluation batch of another size needs no plan of its own.
                 return self.last.variant
         self.last = self.planned_for(args, kwargs)
+        if training and self.last.key in self._excess:
+            self._plan_again(self.last, args, kwargs, *self._excess.pop(self.last.key))
         return self.last.variant
+
+    # ---- the first real step --------------------------------------------------------------
+    def _check_step(self, variant: Variant, run: Callable[[], Any]) -> Any:
+        """Run a training call; the first one under each plan is measured, from its forward
+        to the end of the backward its outputs start (the caller's loss included), and
+        where it measured over the plan's prediction (its margin included) the next call
+        with that input plans again (:meth:`_plan_again`). After the first step this costs
+        a lookup. Single-process only: ranks must change their plans together."""
+        planned = self.last
+        if (planned is None or planned.variant is not variant or planned.checked or self.busy
+                or planned.budget_bytes is None or world_size() > 1 or self.sharding != "none"):
+            return run()
+        planned.checked = True
+        meter = (self.step_meter or step_meter)(module_device(self.module))
+        meter.start()
+        self._open_meter = meter
+        try:
+            outputs = run()
+        except BaseException:
+            meter.stop()
+            self._close_meter()
+            raise
+        if not watch_backward(outputs, lambda: self._measured(planned, meter.stop())):
+            meter.stop()
+            self._close_meter()
+        return outputs
+
+    def _close_meter(self) -> None:
+        if self._open_meter is not None:
+            self._open_meter.close()
+            self._open_meter = None
+
+    def _measured(self, planned: Planned, peak: int) -> None:
+        """The first step's reading (called when its backward ends)."""
+        planned.measured_peak_bytes = int(peak)
+        plan = planned.plan
+        if peak > plan.guaranteed_peak_bytes:
+            self._excess[planned.key] = (int(peak), int(peak) - int(plan.predicted_peak_bytes))
+
+    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> None:
+        """Solve ``planned``'s graph again with the model's margin raised by what its first
+        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
+        plan from this call on; one warning says so."""
+        graph, old, budget = planned.graph, planned.plan, planned.budget_bytes
+        assert budget is not None
+        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
+        device = module_device(self.module, args)
+        said = (f"lightning_remat: the first training step under the plan measured "
+                f"{format_bytes(peak)}, {format_bytes(excess)} over its prediction of "
+                f"{format_bytes(old.predicted_peak_bytes)}")
+        try:
+            plan = self._solve(graph, budget, solver_options(self.settings.solver, device, self.settings.offload))
+        except RematInfeasibleError as refused:
+            smallest = ("" if refused.min_budget_bytes is None else
+                        f" (the smallest budget that does is {format_bytes(refused.min_budget_bytes)})")
+            warn_caller(f"{said}; with that margin no plan fits {format_bytes(budget)}{smallest}: "
+                        "the plan stays; raise memory_budget")
+            return
+        with preserved_state(self.module, [device]):
+            traced = (self.tracer or trace_module)(self.module, args, kwargs)
+        if traced.kind == CHILDREN:
+            plan = per_submodule_plan(graph, plan, budget)
+        variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
+        variant.budget_bytes = budget
+        planned.variant = self.remat_module.variants[planned.key] = variant
+        planned.checked = True  # measured once per input: the margin now covers what was seen
+        if self.cache is not None and planned.basis is not None:
+            self.cache.put(planned.basis, graph, plan)
+        warn_caller(f"{said}; planned again with the model's margin raised by that much: "
+                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
+                    f"{format_bytes(budget)}")
 
     # ---- planning one input ---------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:
@@ -598,7 +687,8 @@ class Planner:
         the budget, the plain plan: nothing to recompute, and the measurement is what any
         prediction is held to (docs/design.md section 4.7)."""
         measured = graph.meta.plain_peak_bytes
-        if self.settings.solver == "auto" and measured and plain_peak_bytes(graph) <= budget:
+        excess = int(graph.meta.measured_excess_bytes or 0)
+        if self.settings.solver == "auto" and measured and plain_peak_bytes(graph) + excess <= budget:
             # The least extra time is none, and the plain step was measured to fit.
             plan = plain_plan(graph)
             plan.solver, plan.feasible = "auto:plain", True
@@ -674,10 +764,19 @@ def remat(
     ``progress``: write one line to stderr as each planning phase starts (trace, profile,
     solve) and a last one with the time planning took, in seconds and in plain steps.
     ``loss_fn(outputs) -> scalar``: the loss your training step takes of the module's
-    outputs; the plan counts the memory it takes (a cross-entropy over a large vocabulary
-    holds several times the logits). Default: the sum of the floating outputs. The result
-    pickles (``torch.save``) without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs
-    its plans as before and plans a new input shape with the default loss, with one warning.
+    outputs, as ``loss_fn(model(x)).backward()``; the plan counts the memory it takes (a
+    cross-entropy over a large vocabulary holds several times the logits) and the outputs
+    freed once it has read them. Default: the loop people write, ``out = model(x); loss =
+    F.cross_entropy(out, y); loss.backward()``, the outputs alive to the step's end and a
+    cross-entropy over their last dimension (a loss whose gradient is as large as the
+    outputs); a known ``loss_fn`` gives a tighter plan. The result pickles (``torch.save``)
+    without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs its plans as before and
+    plans a new input shape with the default loss, with one warning.
+
+    The first training step under each plan is measured (the caching allocator's peak on
+    CUDA, one step under the storage meter elsewhere), from the forward to the end of the
+    backward its outputs start; where it measured over the plan's prediction, the next call
+    plans again with the model's margin raised by the excess, and one warning says so.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a
