@@ -58,6 +58,7 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
+    loop_loss,
     sharded_gradients_kept,
     sharding_of,
     trace_module,
@@ -79,7 +80,7 @@ from lightning_remat.messages import (
     SharedPlan,
     world_size,
 )
-from lightning_remat.meter import TimelinePoint, record_timeline
+from lightning_remat.meter import TimelinePoint, peak_bytes, record_timeline
 from lightning_remat.runtime.hooked import every_submodule_recomputed, per_submodule_plan
 from lightning_remat.runtime.module import (
     RematModule,
@@ -88,7 +89,7 @@ from lightning_remat.runtime.module import (
     measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
-from lightning_remat.runtime.stepcheck import StepMeter, step_meter, watch_backward
+from lightning_remat.runtime.stepcheck import CudaStepMeter, metered_step, watch_backward
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
@@ -252,7 +253,10 @@ class Planner:
     search passes graphs derived by :mod:`lightning_remat.graph.scale`). ``progress(line)``:
     told each planning phase as it starts, and a summary when a plan is made.
     ``loss_fn(outputs) -> scalar``: the loss the training step takes of the outputs, whose
-    memory the profile measures (``meta.loss_peak_bytes``; default: the sum of the outputs).
+    memory the profile measures (``meta.loss_peak_bytes``; default: the loop people write,
+    :func:`~lightning_remat.graph.trace.loop_loss` with the outputs held to the step's end).
+    ``step_peak(step, device) -> bytes``: measures the metered first step of a plan off
+    CUDA (default: :func:`~lightning_remat.meter.peak_bytes`).
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
     shape family's, which fx code being shape-generic serves every batch size).
@@ -270,7 +274,7 @@ class Planner:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
-        state["step_meter"] = state["_open_meter"] = None  # the default meter when loaded
+        state["step_peak"] = None  # the default meter when loaded
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
@@ -295,14 +299,13 @@ class Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         tracer: Tracer | None = None,
         free_memory: Callable[[torch.device], int | None] | None = None,
-        step_meter: Callable[[torch.device], StepMeter] | None = None,
+        step_peak: Callable[[Callable[[], None], torch.device], int] | None = None,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
-        self.step_meter = step_meter
-        """Makes the meter of a plan's first training step (None:
-        :func:`~lightning_remat.runtime.stepcheck.step_meter`)."""
-        self._open_meter: StepMeter | None = None
+        self.step_peak = step_peak
+        """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
+        ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
         self._excess: dict[InputKey, tuple[int, int]] = {}
         """Keys whose first step measured over the plan: (measured peak, excess)."""
         self.profiler = profiler
@@ -451,7 +454,6 @@ class Planner:
         return message.unpack()
 
     def _select(self, args: tuple, kwargs: dict, training: bool) -> Variant:
-        self._close_meter()
         if not training and self.last is not None:
             key = self.key(args, kwargs)
             if key not in self.planned and same_values(key, self.last.key):
@@ -464,38 +466,57 @@ class Planner:
         return self.last.variant
 
     # ---- the first real step --------------------------------------------------------------
-    def _check_step(self, variant: Variant, run: Callable[[], Any]) -> Any:
-        """Run a training call; the first one under each plan is measured, from its forward
-        to the end of the backward its outputs start (the caller's loss included), and
-        where it measured over the plan's prediction (its margin included) the next call
-        with that input plans again (:meth:`_plan_again`). After the first step this costs
-        a lookup. Single-process only: ranks must change their plans together."""
+    def _check_step(self, variant: Variant, args: tuple, kwargs: dict, run: Callable[[Variant], Any]) -> Any:
+        """Run a training call (``run(variant)``); the first one under each plan is measured
+        (:mod:`~lightning_remat.runtime.stepcheck`). On CUDA the call's own step is, from its
+        forward to the end of the backward its outputs start (the caller's loss included),
+        and a step over the plan's prediction (its margin included) has the next call with
+        that input plan again (:meth:`_plan_again`). Elsewhere one metered step of the plan
+        runs first, inside this call, and a step over the prediction has this call plan
+        again and run the new plan. After the first step this costs a lookup.
+        Single-process only: ranks must change their plans together."""
         planned = self.last
         if (planned is None or planned.variant is not variant or planned.checked or self.busy
                 or planned.budget_bytes is None or world_size() > 1 or self.sharding != "none"):
-            return run()
+            return run(variant)
         planned.checked = True
-        meter = (self.step_meter or step_meter)(module_device(self.module))
-        meter.start()
-        self._open_meter = meter
-        try:
-            outputs = run()
-        except BaseException:
-            meter.stop()
-            self._close_meter()
-            raise
-        if not watch_backward(outputs, lambda: self._measured(planned, meter.stop())):
-            meter.stop()
-            self._close_meter()
-        return outputs
+        device = module_device(self.module, args)
+        if device.type == "cuda":
+            meter = CudaStepMeter(device)
+            meter.start()
+            outputs = run(variant)
+            if not watch_backward(outputs, lambda: self._measured(planned, meter.stop())):
+                planned.measured_peak_bytes = None  # no backward to measure
+            return outputs
+        graph = planned.graph
+        if self.loss_fn is None and not graph.meta.outputs_held:
+            return run(variant)  # planned for a loss this planner no longer has (unpickled)
+        self._measured(planned, self._metered_step(planned, args, kwargs, device))
+        if planned.key in self._excess:
+            self._plan_again(planned, args, kwargs, *self._excess.pop(planned.key))
+            self.remat_module.set_current(planned.variant)
+        return run(planned.variant)
 
-    def _close_meter(self) -> None:
-        if self._open_meter is not None:
-            self._open_meter.close()
-            self._open_meter = None
+    def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
+        """One step of ``planned``'s plan under the meter, as the profile took the step
+        (its loss, the outputs held or not), from no gradients; the module's state and
+        gradients are as before it. With gradients resident before the step
+        (``meta.grads_resident``) the plan counts none allocated: those the metered step
+        allocated are taken off its reading (as :func:`plain_peak_bytes` does)."""
+        graph = planned.graph
+        loss_fn = self.loss_fn or loop_loss
+        holders = [p for p in self.module.parameters() if p.requires_grad]
+        holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        measure = self.step_peak or peak_bytes
+        with preserved_state(self.module, [device]):
+            peak = metered_step(lambda: self.remat_module._run(planned.variant, args, kwargs), loss_fn,
+                                bool(graph.meta.outputs_held), holders, lambda step: measure(step, device))
+        if graph.meta.grads_resident:
+            peak -= sum(int(b) for b in (graph.meta.param_bytes or {}).values())
+        return max(int(peak), 0)
 
     def _measured(self, planned: Planned, peak: int) -> None:
-        """The first step's reading (called when its backward ends)."""
+        """The first step's reading (on CUDA called when its backward ends)."""
         planned.measured_peak_bytes = int(peak)
         plan = planned.plan
         if peak > plan.guaranteed_peak_bytes:

@@ -105,9 +105,10 @@ VariantSelector = Callable[[tuple, dict, bool], Variant]
 """Called as ``selector(args, kwargs, training)`` before each forward (``training``: the
 module is in training mode with grad enabled); returns the variant to run."""
 
-StepCheck = Callable[[Variant, Callable[[], Any]], Any]
-"""Called as ``check(variant, run)`` for each training call: runs the forward (``run()``)
-and returns its outputs."""
+StepCheck = Callable[[Variant, tuple, dict, Callable[[Variant], Any]], Any]
+"""Called as ``check(variant, args, kwargs, run)`` for each training call: runs the forward
+of ``variant`` or of another it planned in its place (``run(variant)``) and returns its
+outputs."""
 
 
 class _SharedOffloadHooks:
@@ -287,7 +288,7 @@ class RematModule(nn.Module):
             self._remat_current = self._remat_select(args, kwargs, self.training and torch.is_grad_enabled())
         variant = self.current
         if self._remat_step_check is not None and self.training and torch.is_grad_enabled():
-            return self._remat_step_check(variant, lambda: self._run(variant, args, kwargs))
+            return self._remat_step_check(variant, args, kwargs, lambda chosen: self._run(chosen, args, kwargs))
         return self._run(variant, args, kwargs)
 
     def _run(self, variant: Variant, args: tuple, kwargs: dict) -> Any:
