@@ -29,18 +29,22 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import _profiler_enabled
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from lightning_remat import meter
 from lightning_remat.budget import format_bytes, parse_budget, validate_budget
@@ -256,7 +260,8 @@ class Planner:
     memory the profile measures (``meta.loss_peak_bytes``; default: the loop people write,
     :func:`~lightning_remat.graph.trace.loop_loss` with the outputs held to the step's end).
     ``step_peak(step, device) -> bytes``: measures the metered first step of a plan off
-    CUDA (default: :func:`~lightning_remat.meter.peak_bytes`).
+    CUDA (default: :func:`~lightning_remat.meter.peak_bytes`); ``check_first_step=False``:
+    measure none.
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
     shape family's, which fx code being shape-generic serves every batch size).
@@ -300,12 +305,16 @@ class Planner:
         tracer: Tracer | None = None,
         free_memory: Callable[[torch.device], int | None] | None = None,
         step_peak: Callable[[Callable[[], None], torch.device], int] | None = None,
+        check_first_step: bool = True,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
         self.step_peak = step_peak
         """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
         ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
+        self.check_first_step = check_first_step
+        """Measure the first training step under each plan (the batch-size search, which
+        measures its trials' steps itself, turns it off)."""
         self._excess: dict[InputKey, tuple[int, int]] = {}
         """Keys whose first step measured over the plan: (measured peak, excess)."""
         self.profiler = profiler
@@ -386,10 +395,13 @@ class Planner:
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
+        # Tracing calls into torch._dynamo, which imports sympy on first use, and sympy adds
+        # a warning filter: the filters are restored (the library changes no global state).
+        guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
         try:
             # A step meter running around this call (the memory timeline's) would time the
             # profile under torch.profiler and keep the planner's own meter from starting.
-            with sharded_gradients_kept(self.module), meter.paused():
+            with guard, sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
         finally:
             self.busy = False
@@ -477,10 +489,15 @@ class Planner:
         Single-process only: ranks must change their plans together."""
         planned = self.last
         if (planned is None or planned.variant is not variant or planned.checked or self.busy
-                or planned.budget_bytes is None or world_size() > 1 or self.sharding != "none"):
+                or not self.check_first_step or planned.budget_bytes is None or world_size() > 1
+                or self.sharding != "none"):
+            return run(variant)
+        device = module_device(self.module, args)
+        if device.type != "cuda" and (_len_torch_dispatch_stack() or _profiler_enabled()):
+            # A step already under a dispatch mode or a profiler (the caller measuring it,
+            # say) is not metered again: the check waits for a call without one.
             return run(variant)
         planned.checked = True
-        device = module_device(self.module, args)
         if device.type == "cuda":
             meter = CudaStepMeter(device)
             meter.start()
@@ -794,10 +811,13 @@ def remat(
     without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs its plans as before and
     plans a new input shape with the default loss, with one warning.
 
-    The first training step under each plan is measured (the caching allocator's peak on
-    CUDA, one step under the storage meter elsewhere), from the forward to the end of the
-    backward its outputs start; where it measured over the plan's prediction, the next call
-    plans again with the model's margin raised by the excess, and one warning says so.
+    The first training step under each plan is measured: on CUDA your own step, on the
+    caching allocator's peak from the forward to the end of the backward its outputs start
+    (over the plan's prediction, the next call plans again); elsewhere one metered step of
+    the plan that the first training call runs before yours, with the loss the plan was
+    made for, leaving the module's state and gradients as they were (over the prediction,
+    that call plans again). The new plan's margin is raised by the excess, and one warning
+    says so.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a
