@@ -403,6 +403,7 @@ class Planner:
             # profile under torch.profiler and keep the planner's own meter from starting.
             with guard, sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
+                self._check_new_plan(entry, args, kwargs)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -478,46 +479,55 @@ class Planner:
         return self.last.variant
 
     # ---- the first real step --------------------------------------------------------------
+    def _checks(self, planned: Planned | None) -> bool:
+        """Whether ``planned``'s first step is still to be measured. Single-process only:
+        ranks must change their plans together."""
+        return (planned is not None and not planned.checked and self.check_first_step
+                and planned.budget_bytes is not None and world_size() <= 1 and self.sharding == "none")
+
     def _check_step(self, variant: Variant, args: tuple, kwargs: dict, run: Callable[[Variant], Any]) -> Any:
-        """Run a training call (``run(variant)``); the first one under each plan is measured
-        (:mod:`~lightning_remat.runtime.stepcheck`). On CUDA the call's own step is, from its
-        forward to the end of the backward its outputs start (the caller's loss included),
-        and a step over the plan's prediction (its margin included) has the next call with
-        that input plan again (:meth:`_plan_again`). Elsewhere one metered step of the plan
-        runs first, inside this call, and a step over the prediction has this call plan
-        again and run the new plan. After the first step this costs a lookup.
-        Single-process only: ranks must change their plans together."""
+        """Run a training call (``run(variant)``). On CUDA the first one under each plan is
+        measured (:mod:`~lightning_remat.runtime.stepcheck`), from its forward to the end of
+        the backward its outputs start (the caller's loss included), and a step over the
+        plan's prediction (its margin included) has the next call with that input plan
+        again (:meth:`_plan_again`). After the first step this costs a lookup."""
         planned = self.last
-        if (planned is None or planned.variant is not variant or planned.checked or self.busy
-                or not self.check_first_step or planned.budget_bytes is None or world_size() > 1
-                or self.sharding != "none"):
+        if planned is None or planned.variant is not variant or self.busy or not self._checks(planned):
             return run(variant)
         device = module_device(self.module, args)
-        if device.type != "cuda" and (_len_torch_dispatch_stack() or _profiler_enabled()):
-            # A step already under a dispatch mode or a profiler (the caller measuring it,
-            # say) is not metered again: the check waits for a call without one.
-            return run(variant)
+        if device.type != "cuda":
+            return run(variant)  # measured when it was planned (:meth:`_check_new_plan`)
         planned.checked = True
-        if device.type == "cuda":
-            meter = CudaStepMeter(device)
-            meter.start()
-            outputs = run(variant)
-            if not watch_backward(outputs, lambda: self._measured(planned, meter.stop())):
-                planned.measured_peak_bytes = None  # no backward to measure
-            return outputs
-        graph = planned.graph
-        if self.loss_fn is None and not graph.meta.outputs_held:
-            return run(variant)  # planned for a loss this planner no longer has (unpickled)
+        meter = CudaStepMeter(device)
+        meter.start()
+        outputs = run(variant)
+        watch_backward(outputs, lambda: self._measured(planned, meter.stop()))
+        return outputs
+
+    def _check_new_plan(self, planned: Planned, args: tuple, kwargs: dict) -> None:
+        """Off CUDA, one metered step of a new plan, run as the last part of planning: the
+        CPU meter is thread-local state the autograd engine would put back on the caller's
+        thread after its backward, so it is not left running across the caller's own step
+        (:mod:`~lightning_remat.runtime.stepcheck`). Over the prediction (its margin
+        included), the input is planned again at once (:meth:`_plan_again`)."""
+        device = module_device(self.module, args)
+        if device.type == "cuda" or not self._checks(planned):
+            return
+        planned.checked = True
+        if _len_torch_dispatch_stack() or _profiler_enabled():
+            # Planned under a dispatch mode or a profiler (the caller measuring the call,
+            # say): a meter inside it would read the caller's, so none is run.
+            return
+        if self.loss_fn is None and not planned.graph.meta.outputs_held:
+            return  # planned for a loss this planner no longer has (unpickled)
         self._measured(planned, self._metered_step(planned, args, kwargs, device))
         if planned.key in self._excess:
             self._plan_again(planned, args, kwargs, *self._excess.pop(planned.key))
-            self.remat_module.set_current(planned.variant)
-        return run(planned.variant)
 
     def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
-        """One step of ``planned``'s plan under the meter, as the profile took the step
-        (its loss, the outputs held or not), from no gradients; the module's state and
-        gradients are as before it. With gradients resident before the step
+        """One training step of ``planned``'s plan under the meter, as the profile took the
+        step (its loss, the outputs held or not), from no gradients; the module's state,
+        modes and gradients are as before it. With gradients resident before the step
         (``meta.grads_resident``) the plan counts none allocated: those the metered step
         allocated are taken off its reading (as :func:`plain_peak_bytes` does)."""
         graph = planned.graph
@@ -525,9 +535,16 @@ class Planner:
         holders = [p for p in self.module.parameters() if p.requires_grad]
         holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         measure = self.step_peak or peak_bytes
-        with preserved_state(self.module, [device]):
-            peak = metered_step(lambda: self.remat_module._run(planned.variant, args, kwargs), loss_fn,
-                                bool(graph.meta.outputs_held), holders, lambda step: measure(step, device))
+        wrapper = self.remat_module
+        mode = wrapper.training
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True  # not .train(): the module's own flags are restored above
+            try:
+                peak = metered_step(lambda: wrapper._run(planned.variant, args, kwargs), loss_fn,
+                                    bool(graph.meta.outputs_held), holders, lambda step: measure(step, device))
+            finally:
+                wrapper.training = mode
         if graph.meta.grads_resident:
             peak -= sum(int(b) for b in (graph.meta.param_bytes or {}).values())
         return max(int(peak), 0)
@@ -814,10 +831,10 @@ def remat(
     The first training step under each plan is measured: on CUDA your own step, on the
     caching allocator's peak from the forward to the end of the backward its outputs start
     (over the plan's prediction, the next call plans again); elsewhere one metered step of
-    the plan that the first training call runs before yours, with the loss the plan was
-    made for, leaving the module's state and gradients as they were (over the prediction,
-    that call plans again). The new plan's margin is raised by the excess, and one warning
-    says so.
+    the plan, run as the last part of planning with the loss the plan was made for, which
+    leaves the module's state and gradients as they were (over the prediction, the input
+    is planned again at once). The new plan's margin is raised by the excess, and one
+    warning says so.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a

@@ -12,10 +12,10 @@ Elsewhere the CPU meter is a profiler or a dispatch mode: thread-local state, wh
 autograd engine copies into the backward it runs and restores when the backward returns.
 Entered in the forward, it could not be left at the end of the caller's backward (the
 engine would put it back on the caller's thread), so it would stay on until the module's
-next call. Instead the module's first training call under a plan runs one metered step of
-the plan itself, before the real forward (:func:`metered_step`): the plan's forward, the
-loss the plan was made for and its backward, with the meter entered and left around
-exactly that step; the module's state (buffers, RNG) and its gradients are as before it.
+next call. Instead, as the last part of planning, one metered step of the new plan runs
+(:func:`metered_step`): the plan's forward, the loss the plan was made for and its
+backward, with the meter entered and left around exactly that step; the module's state
+(buffers, RNG, modes) and its gradients are as before it.
 """
 
 from __future__ import annotations
