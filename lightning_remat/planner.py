@@ -532,6 +532,11 @@ class Planner:
         allocated are taken off its reading (as :func:`plain_peak_bytes` does)."""
         graph = planned.graph
         loss_fn = self.loss_fn or loop_loss
+        # Inputs another module computed (an encoder's output that a planned head reads):
+        # the metered backward stops at them, leaving the caller's graph for its own.
+        args, kwargs = pytree.tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
         holders = [p for p in self.module.parameters() if p.requires_grad]
         holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         measure = self.step_peak or peak_bytes
