@@ -29,18 +29,22 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import _profiler_enabled
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from lightning_remat import meter
 from lightning_remat.budget import format_bytes, parse_budget, validate_budget
@@ -58,6 +62,7 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
+    loop_loss,
     sharded_gradients_kept,
     sharding_of,
     trace_module,
@@ -79,7 +84,7 @@ from lightning_remat.messages import (
     SharedPlan,
     world_size,
 )
-from lightning_remat.meter import TimelinePoint, record_timeline
+from lightning_remat.meter import TimelinePoint, peak_bytes, record_timeline
 from lightning_remat.runtime.hooked import every_submodule_recomputed, per_submodule_plan
 from lightning_remat.runtime.module import (
     RematModule,
@@ -88,6 +93,7 @@ from lightning_remat.runtime.module import (
     measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
+from lightning_remat.runtime.stepcheck import CudaStepMeter, metered_step, watch_backward
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
@@ -191,6 +197,10 @@ class Planned:
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
     basis: PlanBasis | None = None
     """What decided the plan (stored beside it in the cache and in checkpoints)."""
+    checked: bool = False
+    """Whether the first training step under the plan was measured (or will not be)."""
+    measured_peak_bytes: int | None = None
+    """The first training step's measured peak (None: not measured)."""
 
     @property
     def graph(self) -> Graph:
@@ -247,7 +257,11 @@ class Planner:
     search passes graphs derived by :mod:`lightning_remat.graph.scale`). ``progress(line)``:
     told each planning phase as it starts, and a summary when a plan is made.
     ``loss_fn(outputs) -> scalar``: the loss the training step takes of the outputs, whose
-    memory the profile measures (``meta.loss_peak_bytes``; default: the sum of the outputs).
+    memory the profile measures (``meta.loss_peak_bytes``; default: the loop people write,
+    :func:`~lightning_remat.graph.trace.loop_loss` with the outputs held to the step's end).
+    ``step_peak(step, device) -> bytes``: measures the metered first step of a plan off
+    CUDA (default: :func:`~lightning_remat.meter.peak_bytes`); ``check_first_step=False``:
+    measure none.
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
     shape family's, which fx code being shape-generic serves every batch size).
@@ -265,6 +279,7 @@ class Planner:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
+        state["step_peak"] = None  # the default meter when loaded
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
@@ -289,9 +304,19 @@ class Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         tracer: Tracer | None = None,
         free_memory: Callable[[torch.device], int | None] | None = None,
+        step_peak: Callable[[Callable[[], None], torch.device], int] | None = None,
+        check_first_step: bool = True,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
+        self.step_peak = step_peak
+        """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
+        ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
+        self.check_first_step = check_first_step
+        """Measure the first training step under each plan (the batch-size search, which
+        measures its trials' steps itself, turns it off)."""
+        self._excess: dict[InputKey, tuple[int, int]] = {}
+        """Keys whose first step measured over the plan: (measured peak, excess)."""
         self.profiler = profiler
         self.tracer = tracer
         self.loss_fn = loss_fn
@@ -317,6 +342,7 @@ class Planner:
         check_solver_for_device(self.settings.solver, module_device(module))
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
+        self.remat_module.set_step_check(self._check_step)
         try:
             self._signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -363,16 +389,21 @@ class Planner:
             self._loss_fn_left_out = False  # one warning
             warn_caller(
                 "lightning_remat: this module was loaded from a pickle, which does not keep the "
-                "loss_fn it was planned with; planning its new inputs with the default loss (the "
-                "sum of the outputs), whose memory may differ from your loss's. To count your "
+                "loss_fn it was planned with; planning its new inputs with the default loss (the loop "
+                "people write: the outputs held to the step's end, a cross-entropy over them), whose "
+                "memory may differ from your loss's. To count your "
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
+        # Tracing calls into torch._dynamo, which imports sympy on first use, and sympy adds
+        # a warning filter: the filters are restored (the library changes no global state).
+        guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
         try:
             # A step meter running around this call (the memory timeline's) would time the
             # profile under torch.profiler and keep the planner's own meter from starting.
-            with sharded_gradients_kept(self.module), meter.paused():
+            with guard, sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
+                self._check_new_plan(entry, args, kwargs)
         finally:
             self.busy = False
         self.planned[key] = entry
@@ -443,7 +474,125 @@ class Planner:
                 # evaluation batch of another size needs no plan of its own.
                 return self.last.variant
         self.last = self.planned_for(args, kwargs)
+        if training and self.last.key in self._excess:
+            self._plan_again(self.last, args, kwargs, *self._excess.pop(self.last.key))
         return self.last.variant
+
+    # ---- the first real step --------------------------------------------------------------
+    def _checks(self, planned: Planned | None) -> bool:
+        """Whether ``planned``'s first step is still to be measured. Single-process only:
+        ranks must change their plans together."""
+        return (planned is not None and not planned.checked and self.check_first_step
+                and planned.budget_bytes is not None and world_size() <= 1 and self.sharding == "none")
+
+    def _check_step(self, variant: Variant, args: tuple, kwargs: dict, run: Callable[[Variant], Any]) -> Any:
+        """Run a training call (``run(variant)``). On CUDA the first one under each plan is
+        measured (:mod:`~lightning_remat.runtime.stepcheck`), from its forward to the end of
+        the backward its outputs start (the caller's loss included), and a step over the
+        plan's prediction (its margin included) has the next call with that input plan
+        again (:meth:`_plan_again`). After the first step this costs a lookup."""
+        planned = self.last
+        if planned is None or planned.variant is not variant or self.busy or not self._checks(planned):
+            return run(variant)
+        device = module_device(self.module, args)
+        if device.type != "cuda":
+            return run(variant)  # measured when it was planned (:meth:`_check_new_plan`)
+        planned.checked = True
+        meter = CudaStepMeter(device)
+        meter.start()
+        outputs = run(variant)
+        watch_backward(outputs, lambda: self._measured(planned, meter.stop()))
+        return outputs
+
+    def _check_new_plan(self, planned: Planned, args: tuple, kwargs: dict) -> None:
+        """Off CUDA, one metered step of a new plan, run as the last part of planning: the
+        CPU meter is thread-local state the autograd engine would put back on the caller's
+        thread after its backward, so it is not left running across the caller's own step
+        (:mod:`~lightning_remat.runtime.stepcheck`). Over the prediction (its margin
+        included), the input is planned again at once (:meth:`_plan_again`)."""
+        device = module_device(self.module, args)
+        if device.type == "cuda" or not self._checks(planned):
+            return
+        planned.checked = True
+        if _len_torch_dispatch_stack() or _profiler_enabled():
+            # Planned under a dispatch mode or a profiler (the caller measuring the call,
+            # say): a meter inside it would read the caller's, so none is run.
+            return
+        if self.loss_fn is None and not planned.graph.meta.outputs_held:
+            return  # planned for a loss this planner no longer has (unpickled)
+        self._measured(planned, self._metered_step(planned, args, kwargs, device))
+        if planned.key in self._excess:
+            self._plan_again(planned, args, kwargs, *self._excess.pop(planned.key))
+
+    def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
+        """One training step of ``planned``'s plan under the meter, as the profile took the
+        step (its loss, the outputs held or not), from no gradients; the module's state,
+        modes and gradients are as before it. With gradients resident before the step
+        (``meta.grads_resident``) the plan counts none allocated: those the metered step
+        allocated are taken off its reading (as :func:`plain_peak_bytes` does)."""
+        graph = planned.graph
+        loss_fn = self.loss_fn or loop_loss
+        # Inputs another module computed (an encoder's output that a planned head reads):
+        # the metered backward stops at them, leaving the caller's graph for its own.
+        args, kwargs = pytree.tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
+        holders = [p for p in self.module.parameters() if p.requires_grad]
+        holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        measure = self.step_peak or peak_bytes
+        wrapper = self.remat_module
+        mode = wrapper.training
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True  # not .train(): the module's own flags are restored above
+            try:
+                peak = metered_step(lambda: wrapper._run(planned.variant, args, kwargs), loss_fn,
+                                    bool(graph.meta.outputs_held), holders, lambda step: measure(step, device))
+            finally:
+                wrapper.training = mode
+        if graph.meta.grads_resident:
+            peak -= sum(int(b) for b in (graph.meta.param_bytes or {}).values())
+        return max(int(peak), 0)
+
+    def _measured(self, planned: Planned, peak: int) -> None:
+        """The first step's reading (on CUDA called when its backward ends)."""
+        planned.measured_peak_bytes = int(peak)
+        plan = planned.plan
+        if peak > plan.guaranteed_peak_bytes:
+            self._excess[planned.key] = (int(peak), int(peak) - int(plan.predicted_peak_bytes))
+
+    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> None:
+        """Solve ``planned``'s graph again with the model's margin raised by what its first
+        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
+        plan from this call on; one warning says so."""
+        graph, old, budget = planned.graph, planned.plan, planned.budget_bytes
+        assert budget is not None
+        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
+        device = module_device(self.module, args)
+        said = (f"lightning_remat: the first training step under the plan measured "
+                f"{format_bytes(peak)}, {format_bytes(excess)} over its prediction of "
+                f"{format_bytes(old.predicted_peak_bytes)}")
+        try:
+            plan = self._solve(graph, budget, solver_options(self.settings.solver, device, self.settings.offload))
+        except RematInfeasibleError as refused:
+            smallest = ("" if refused.min_budget_bytes is None else
+                        f" (the smallest budget that does is {format_bytes(refused.min_budget_bytes)})")
+            warn_caller(f"{said}; with that margin no plan fits {format_bytes(budget)}{smallest}: "
+                        "the plan stays; raise memory_budget")
+            return
+        with preserved_state(self.module, [device]):
+            traced = (self.tracer or trace_module)(self.module, args, kwargs)
+        if traced.kind == CHILDREN:
+            plan = per_submodule_plan(graph, plan, budget)
+        variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
+        variant.budget_bytes = budget
+        planned.variant = self.remat_module.variants[planned.key] = variant
+        planned.checked = True  # measured once per input: the margin now covers what was seen
+        if self.cache is not None and planned.basis is not None:
+            self.cache.put(planned.basis, graph, plan)
+        warn_caller(f"{said}; planned again with the model's margin raised by that much: "
+                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
+                    f"{format_bytes(budget)}")
 
     # ---- planning one input ---------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:
@@ -598,7 +747,8 @@ class Planner:
         the budget, the plain plan: nothing to recompute, and the measurement is what any
         prediction is held to (docs/design.md section 4.7)."""
         measured = graph.meta.plain_peak_bytes
-        if self.settings.solver == "auto" and measured and plain_peak_bytes(graph) <= budget:
+        excess = int(graph.meta.measured_excess_bytes or 0)
+        if self.settings.solver == "auto" and measured and plain_peak_bytes(graph) + excess <= budget:
             # The least extra time is none, and the plain step was measured to fit.
             plan = plain_plan(graph)
             plan.solver, plan.feasible = "auto:plain", True
@@ -674,10 +824,22 @@ def remat(
     ``progress``: write one line to stderr as each planning phase starts (trace, profile,
     solve) and a last one with the time planning took, in seconds and in plain steps.
     ``loss_fn(outputs) -> scalar``: the loss your training step takes of the module's
-    outputs; the plan counts the memory it takes (a cross-entropy over a large vocabulary
-    holds several times the logits). Default: the sum of the floating outputs. The result
-    pickles (``torch.save``) without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs
-    its plans as before and plans a new input shape with the default loss, with one warning.
+    outputs, as ``loss_fn(model(x)).backward()``; the plan counts the memory it takes (a
+    cross-entropy over a large vocabulary holds several times the logits) and the outputs
+    freed once it has read them. Default: the loop people write, ``out = model(x); loss =
+    F.cross_entropy(out, y); loss.backward()``, the outputs alive to the step's end and a
+    cross-entropy over their last dimension (a loss whose gradient is as large as the
+    outputs); a known ``loss_fn`` gives a tighter plan. The result pickles (``torch.save``)
+    without ``loss_fn`` (a lambda cannot be pickled): loaded, it runs its plans as before and
+    plans a new input shape with the default loss, with one warning.
+
+    The first training step under each plan is measured: on CUDA your own step, on the
+    caching allocator's peak from the forward to the end of the backward its outputs start
+    (over the plan's prediction, the next call plans again); elsewhere one metered step of
+    the plan, run as the last part of planning with the loss the plan was made for, which
+    leaves the module's state and gradients as they were (over the prediction, the input
+    is planned again at once). The new plan's margin is raised by the excess, and one
+    warning says so.
 
     The result shares the module's Parameter objects and state_dict keys, has ``.plan``,
     ``.graph`` and ``.budget_bytes``, and plans once more for each new input shape (with a

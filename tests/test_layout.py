@@ -37,6 +37,7 @@ FLOW: list[tuple[str, ...]] = [
     ("solvers.chen", "solvers.feng", "solvers.hong", "solvers.kusumoto", "solvers.beaumont"),
     ("solvers.auto",),
     ("solvers",),
+    ("runtime.stepcheck",),
     ("runtime.offload", "runtime.stages", "runtime.hooked"),
     ("runtime.module",),
     ("cache",),

@@ -213,15 +213,19 @@ def test_custom_loss_is_used():
 
 def test_the_gradients_the_loss_sends_the_outputs_are_measured_with_it():
     """A sum sends the outputs a broadcast scalar (one element); a mean of squares a tensor
-    as large as the output. Without a loss the default sum is measured as well: the output
-    op's backward materializes its broadcast gradient as workspace, which the meter sees,
-    so counting the gradient as large as the output would count it twice."""
+    as large as the output. Without a loss, the loop people write is profiled: the outputs
+    held to the step's end and a cross-entropy over them, whose gradient is as large as the
+    outputs and which holds the log-probabilities beside them."""
     x = torch.randn(3, 16)
     summed = _fast(models.mlp(), x, loss_fn=torch.sum)
     squared = _fast(models.mlp(), x, loss_fn=lambda out: out.pow(2).mean())
     assert summed.meta.output_grad_bytes <= F32  # one element, broadcast
     assert squared.meta.output_grad_bytes == 3 * 16 * F32
-    assert _fast(models.mlp(), x).meta.output_grad_bytes <= F32
+    assert not summed.meta.outputs_held and not squared.meta.outputs_held
+    loop = _fast(models.mlp(), x)
+    assert loop.meta.outputs_held
+    assert loop.meta.output_grad_bytes == 3 * 16 * F32
+    assert loop.meta.loss_peak_bytes >= 2 * 3 * 16 * F32
 
 
 def test_output_without_floats_needs_a_loss():
@@ -406,9 +410,9 @@ def test_a_timed_step_repeats_only_while_op_times_vary():
 
 def test_profile_counts_its_steps(monkeypatch):
     """The normal mode on the CPU: one plain step in the meter, one instrumented step in the
-    meter, timed steps only while times vary (none vary here), and one no-grad forward at
-    another batch size (the loss's memory, the default sum's too, is measured on one more
-    forward of the model, without autograd)."""
+    meter, timed steps only while times vary (none vary here), one no-grad forward at
+    another batch size, and one more without autograd on which the loss's memory is
+    measured (the given loss's, or the cross-entropy the profile stands in for it)."""
     monkeypatch.setattr(profile_mod, "_time_in_doubt", lambda *args: 0.0)
     model = models.mlp()
     calls = []
@@ -419,7 +423,7 @@ def test_profile_counts_its_steps(monkeypatch):
     phases = []
     profile_module(model, x, repeats=3, progress=phases.append, traced=traced)
     # The instrumented steps and the batch-size probe run the traced copy's code; the
-    # model's own forward runs twice: the plain step, and the loss's no-grad forward.
+    # model's own forward runs twice: for the plain step and, without autograd, the loss.
     assert calls == [True, False]
     assert phases[0] == "profile: the plain step's peak"
     assert sum("times" in p or "timing again" in p for p in phases) == 1

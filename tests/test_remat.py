@@ -463,11 +463,14 @@ def _assert_within_budget_and_prediction(model: nn.Module, remat_model: RematMod
     from lightning_remat.meter import peak_bytes
 
     def step() -> None:
-        model.zero_grad(set_to_none=True)
         remat_model(x).sum().backward()
 
-    step()
-    step()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step()
+    # Out of the measured step: freeing the last step's gradients inside it would lower the
+    # reading below the level it starts from (the plan is made from no gradients).
+    model.zero_grad(set_to_none=True)
     measured = peak_bytes(step)
     assert remat_model.budget_bytes is not None
     assert measured <= remat_model.budget_bytes, remat_model.plan.stages
@@ -493,8 +496,9 @@ def test_the_budget_holds_on_a_unet_whose_skip_gradients_are_slices(solver: str)
 def test_the_budget_holds_with_the_models_own_loss() -> None:
     """A cross-entropy over a vocabulary holds its log-probabilities and their gradient
     beside the logits. Told the loss (``loss_fn``), the profile measures it and the plan
-    counts it: a step with that loss is within the budget. Planned for the default sum,
-    the same budget is exceeded (what the loss costs is the user's to say)."""
+    counts it: a step with that loss is within the budget. Not told, the plan is made for
+    the loop people write (a cross-entropy over the outputs, held to the step's end), which
+    also holds the budget; told, the model of the step holds less (the plan is tighter)."""
     import torch.nn.functional as F
 
     from lightning_remat.meter import peak_bytes
@@ -504,7 +508,7 @@ def test_the_budget_holds_with_the_models_own_loss() -> None:
     def cross_entropy(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets)
 
-    measured = {}
+    measured, plain_predicted = {}, {}
     for told in (True, False):
         torch.manual_seed(0)
         model = TinyLM(vocab=500, dim=32, heads=2, layers=3, max_len=64)
@@ -518,10 +522,11 @@ def test_the_budget_holds_with_the_models_own_loss() -> None:
         step()
         step()
         measured[told] = peak_bytes(step)
-        if told:
-            logits_bytes = 8 * 64 * 500 * 4
-            assert remat_model.graph.meta.loss_peak_bytes >= 2 * logits_bytes
-    assert measured[True] <= 4_400_000 < measured[False]
+        plain_predicted[told] = simulate(remat_model.graph).peak_bytes
+        logits_bytes = 8 * 64 * 500 * 4
+        assert remat_model.graph.meta.loss_peak_bytes >= 2 * logits_bytes
+    assert measured[True] <= 4_400_000 and measured[False] <= 4_400_000
+    assert plain_predicted[True] <= plain_predicted[False]
 
 
 @pytest.mark.slow
@@ -634,7 +639,8 @@ def test_a_loaded_module_plans_a_new_shape_with_the_default_loss_and_says_so() -
     import io
 
     x = torch.randn(256, 32)
-    model = remat(_chain(), x, "80%", loss_fn=lambda out: out.sum())
+    # At 32 rows the default loss's cross-entropy and held outputs leave 80% no plan.
+    model = remat(_chain(), x, "90%", loss_fn=lambda out: out.sum())
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)

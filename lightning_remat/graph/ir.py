@@ -21,8 +21,9 @@ the vertices' costs. The tracer
 - ``input_consumers``: ids of the vertices that read the step's inputs;
 - ``outputs``: ids of the vertices whose values leave the forward (the loss reads them).
   Absent, the simulator takes the last vertex; empty, no vertex;
-- ``param_bytes``: ``{id: bytes}`` of the parameters a vertex's op owns (their gradients are
-  allocated during the backward of the first step). Absent, the simulator takes every
+- ``param_bytes``: ``{id: bytes}`` of the parameters a vertex's op owns that train (their
+  gradients are allocated during the backward of the first step; a frozen parameter,
+  ``requires_grad=False``, has none and is not counted). Absent, the simulator takes every
   vertex to need a gradient; present (even empty), only those computed from a parameter;
 - ``param_grad_bytes``: ``{id: bytes}`` of the parameter gradients a vertex's backward
   allocates, each parameter's at its last op in the forward (a tied weight's at its last
@@ -42,8 +43,12 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 - ``plain_peak_bytes``: the measured peak of one plain step, from a state without gradients
   (absent in safe mode);
 - ``loss_peak_bytes``: the measured peak of the loss alone, from the outputs to their
-  gradients, above what the forward holds (the step's own loss: a cross-entropy over a
-  vocabulary takes several times the logits; the default sum's too; absent in safe mode);
+  gradients, above what the forward holds (the step's own loss, or without one the
+  cross-entropy the profile stands in for it: a cross-entropy over a vocabulary takes
+  several times the logits; absent in safe mode);
+- ``outputs_held``: whether the step holds its outputs until it ends (the loop people
+  write, profiled without a ``loss_fn``: ``out = model(x); loss = f(out); loss.backward()``)
+  rather than dropping them once the loss has read them;
 - ``step_seconds``: the plain step's time (CUDA: the metered plain step; CPU: the fastest timed
   instrumented step's wall time; in safe mode the sum of the vertex times);
 - ``batch_dependent``: ``{id: bool}`` whether a vertex's costs scale with the batch size
@@ -67,7 +72,9 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 The planner (``planner.py``) adds ``bandwidth_bytes_per_s``: the host-device bandwidth, the
 offloading solvers' beta; and ``recompute_stage_seconds`` and ``recompute_vertex_seconds``:
 what the executor itself costs per recomputed stage and per vertex in one, over the
-recomputation (each measured once per device). Keys are
+recomputation (each measured once per device); and ``measured_excess_bytes``: what the
+first training step under a plan measured above its prediction (the model's margin covers
+it from then on). Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
 
@@ -280,6 +287,10 @@ class GraphMeta:
     """Bytes of the gradients the loss sends to the outputs, measured with the loss (a
     sum's broadcast scalar takes none, a cross-entropy's as much as the logits; None: not
     measured, each output's gradient as large as the output)."""
+    outputs_held: bool | None = None
+    """Whether the step holds the outputs until it ends (``out = model(x); loss =
+    f(out); loss.backward()``, the loop profiled without a ``loss_fn``) rather than
+    dropping them when the loss has read them (``loss_fn(model(x)).backward()``)."""
     step_seconds: float | None = None
     """Median plain step (in safe mode the sum of the vertex times)."""
     batch_dependent: dict[str, bool] | None = None
@@ -305,6 +316,9 @@ class GraphMeta:
     recompute_vertex_seconds: float | None = None
     """The executor's own time per vertex of a recomputed stage: each op of the stage passes
     the selective-checkpoint policy in the forward and again in the recomputation."""
+    measured_excess_bytes: int | None = None
+    """What the first training step under a plan measured above its prediction, which the
+    model's margin then covers (docs/design.md section 4.7)."""
     grads_resident: bool | None = None
     """Whether the parameters' gradients exist before the step, so are resident
     (``zero_grad(set_to_none=False)``; docs/design.md section 4.7)."""

@@ -63,7 +63,7 @@ from lightning_remat.graph.trace import (
     ValueRecorder,
     as_tuple,
     call_through,
-    default_loss,
+    loop_loss,
     trace_module,
 )
 from lightning_remat.meter import StepMeter, peak_bytes, step_meter, tensors_in
@@ -179,7 +179,10 @@ def profile_module(
     """Trace (unless ``traced`` is given) and profile ``module`` on its device.
 
     ``example_inputs``: a tensor or a tuple of positional inputs, on the module's device.
-    ``loss_fn(outputs) -> scalar``: defaults to the sum of every floating output.
+    ``loss_fn(outputs) -> scalar``: the step's loss, taken as ``loss_fn(module(x)).backward()``
+    (the outputs dropped once the loss has read them); without it the loop people write,
+    ``out = module(x); loss = loop_loss(out); loss.backward()`` (the outputs held to the
+    step's end, ``meta.outputs_held``, and a cross-entropy over them).
     Returns the :class:`Graph` with measured costs. Its meta
     (:class:`~lightning_remat.graph.ir.GraphMeta`, whose fields :mod:`lightning_remat.graph.ir`
     documents) keeps the tracer's fields and sets ``batch_size``, ``device``, ``dtype``,
@@ -208,10 +211,10 @@ def profile_module(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     inputs = as_tuple(example_inputs)
     kwargs = dict(example_kwargs or {})
-    # The loss is measured, the default sum's too: it sends its outputs a broadcast scalar,
-    # which the output op's backward materializes as its workspace (the allocation log sees
-    # it), so the gradient is not also counted as large as the outputs.
-    loss_fn = loss_fn or default_loss
+    # Without the step's own loss, the loop people write: the outputs held to the step's
+    # end and a cross-entropy over them (docs/design.md section 4.7).
+    outputs_held = loss_fn is None
+    loss_fn = loss_fn or loop_loss
     device = module_device(module, list(inputs) + list(kwargs.values()))
     if traced is None:
         traced = trace_module(module, inputs, kwargs)
@@ -239,6 +242,7 @@ def profile_module(
     meta.device = str(device)
     meta.dtype = _dtype_of(module, inputs)
     meta.input_bytes = output_bytes(input_tensors)
+    meta.outputs_held = outputs_held
     # CUDA events and peak counters work on the current device: make it the module's.
     on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
     with on_device, preserved_state(module, [device]), _grads_set_aside(grad_holders):
@@ -249,7 +253,7 @@ def profile_module(
             try:
                 note("profile: the plain step's peak")
                 meta.plain_peak_bytes, plain_seconds = _plain_peak(
-                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup)
+                    module, inputs, kwargs, loss_fn, device, grad_holders, warmup, outputs_held)
                 meta.loss_peak_bytes, meta.output_grad_bytes = _loss_peak(
                     module, inputs, kwargs, loss_fn, device)
                 first, records, wall = _profile_steps(make, loss_fn, grad_holders, repeats, device,
@@ -322,15 +326,20 @@ def _backward(loss: torch.Tensor) -> None:
 
 def _plain_peak(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: LossFn,
                 device: torch.device, grad_holders: list[torch.Tensor],
-                warmup: int) -> tuple[int, float | None]:
+                warmup: int, outputs_held: bool = False) -> tuple[int, float | None]:
     """Plain forward+backward steps: ``warmup`` unmeasured, then one inside the meter
-    (``meta.plain_peak_bytes``). On CUDA the allocator's counters cost the step nothing, so
+    (``meta.plain_peak_bytes``); ``outputs_held``: the step holds the outputs until the
+    backward has ended. On CUDA the allocator's counters cost the step nothing, so
     its time is the plain step's (``meta.step_seconds``); on the CPU the storage meter's
     per-op cost is in it, so no time is returned."""
     clock = Clock(device)
 
     def step() -> None:
-        _backward(loss_fn(module(*inputs, **kwargs)))
+        outputs = module(*inputs, **kwargs)
+        loss = loss_fn(outputs)
+        if not outputs_held:
+            del outputs
+        _backward(loss)
 
     for _ in range(warmup):
         step()

@@ -73,7 +73,7 @@ from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.ops import draws_random, mutated_operand
 
 __all__ = [
-    "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem",
+    "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "loop_loss",
     "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
 ]
 
@@ -246,6 +246,30 @@ def as_tuple(example_inputs: Any) -> tuple[Any, ...]:
     if isinstance(example_inputs, list):
         return tuple(example_inputs)
     return (example_inputs,)
+
+
+def loop_loss(outputs: Any) -> torch.Tensor:
+    """The loss the profile stands in for the user's when none is given: a cross-entropy
+    over each floating output's last dimension (a scalar output: its sum), the loss a
+    training loop most often takes, whose gradient is as large as the outputs and which
+    holds the log-probabilities beside them (docs/design.md section 4.7)."""
+    terms = []
+    for t in pytree.tree_leaves(outputs):
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            continue
+        value = t.real if t.is_complex() else t
+        if value.dim() == 0 or value.numel() == 0:
+            terms.append(value.float().sum())
+            continue
+        logits = value.float().reshape(-1, value.shape[-1])
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        terms.append(torch.nn.functional.cross_entropy(logits, target))
+    if not terms:
+        raise ValueError("the module's output holds no floating tensor to build a loss from; pass loss_fn=")
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def default_loss(outputs: Any) -> torch.Tensor:
@@ -462,6 +486,8 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
     def add_params(vid: str, params: Iterator[torch.Tensor]) -> None:
         total = 0
         for p in params:
+            if not p.requires_grad:
+                continue  # frozen: no gradient, and resident like the step's inputs
             last_user[id(p)] = (vid, local_bytes(p))
             if id(p) not in counted:
                 counted.add(id(p))
@@ -678,7 +704,7 @@ def _trace_children(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str
     counted: set[int] = set()  # a parameter shared by two submodules counts once
     param_bytes: dict[str, int] = {}
     for name, child in units:
-        new = [p for p in child.parameters() if id(p) not in counted]
+        new = [p for p in child.parameters() if id(p) not in counted and p.requires_grad]
         counted.update(id(p) for p in new)
         if new:
             param_bytes[name] = sum(local_bytes(p) for p in new)

@@ -463,6 +463,7 @@ class LightningTrial:
                     loss_fn=self._loss,
                     tracer=self._trace_for_trial if self.family else None,
                     free_memory=self._free_memory,
+                    check_first_step=False,  # the trial measures its steps itself
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan
                 routed = forward_routed(self.target, planner)

@@ -105,6 +105,11 @@ VariantSelector = Callable[[tuple, dict, bool], Variant]
 """Called as ``selector(args, kwargs, training)`` before each forward (``training``: the
 module is in training mode with grad enabled); returns the variant to run."""
 
+StepCheck = Callable[[Variant, tuple, dict, Callable[[Variant], Any]], Any]
+"""Called as ``check(variant, args, kwargs, run)`` for each training call: runs the forward
+of ``variant`` or of another it planned in its place (``run(variant)``) and returns its
+outputs."""
+
 
 class _SharedOffloadHooks:
     """One :class:`OffloadHooks` shared by the module's offloaded stages, so its prefetch
@@ -153,6 +158,7 @@ class RematModule(nn.Module):
         self._remat_current: Variant | None = None
         self._remat_select: VariantSelector | None = None
         self._remat_offload_factory: OffloadHooksFactory = _SharedOffloadHooks()
+        self._remat_step_check: StepCheck | None = None
 
     # ---- public views -------------------------------------------------------------------
     @property
@@ -187,6 +193,11 @@ class RematModule(nn.Module):
         """Install ``selector`` to pick the variant for each call (None: always run the
         current one)."""
         self._remat_select = selector
+
+    def set_step_check(self, check: StepCheck | None) -> None:
+        """Install ``check`` around each training call (the planner measures a plan's first
+        step with it; None: none)."""
+        self._remat_step_check = check
 
     def set_current(self, variant: Variant) -> None:
         """Run ``variant`` until a selector picks another."""
@@ -275,7 +286,10 @@ class RematModule(nn.Module):
     def _planned_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._remat_select is not None:
             self._remat_current = self._remat_select(args, kwargs, self.training and torch.is_grad_enabled())
-        return self._run(self.current, args, kwargs)
+        variant = self.current
+        if self._remat_step_check is not None and self.training and torch.is_grad_enabled():
+            return self._remat_step_check(variant, args, kwargs, lambda chosen: self._run(chosen, args, kwargs))
+        return self._run(variant, args, kwargs)
 
     def _run(self, variant: Variant, args: tuple, kwargs: dict) -> Any:
         if variant.hooked is not None:

@@ -95,9 +95,11 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` per
     vertex. A graph no profile measured (no ``meta.device``) is its own exact model: no
-    margin."""
+    margin. Plus what a real step under a plan of the graph measured above its prediction
+    (``meta.measured_excess_bytes``)."""
+    measured_excess = int(graph.meta.measured_excess_bytes or 0)
     if graph.meta.device is None:
-        return 0
+        return measured_excess
     device = str(graph.meta.device)
     n = len(graph)
     if device.startswith("cuda"):
@@ -105,8 +107,8 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
         margin = CUDA_BLOCK_BYTES * (3 * n + params)
         if not (expandable_segments() if expandable is None else expandable):
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
-        return margin
-    return SMALL_TENSOR_BYTES * n
+        return margin + measured_excess
+    return SMALL_TENSOR_BYTES * n + measured_excess
 
 
 def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:

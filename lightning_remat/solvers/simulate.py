@@ -6,7 +6,8 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
 - **Reference counting.** A tensor's storage is freed the moment nothing refers to it
   (Hong's observation 1: PyTorch releases ``d_i`` as soon as it is dead, not in batches).
   A forward value is referred to by each forward consumer that has not run yet, by the
-  model output until the loss has read it, by every op that saved it for backward
+  model output until the loss has read it (until the step ends where the step holds its
+  outputs, ``meta.outputs_held``: the loop people write), by every op that saved it for backward
   (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
   has finished.
@@ -363,6 +364,12 @@ class StepSimulation:
             self._backward_stage(k)
             if k == stop_after:
                 break
+        else:
+            if self.outputs_held and self.timeline.events:
+                # The step ends: its locals, the outputs among them, go.
+                for o in self.outputs:
+                    self.mem.release(self._val(o))
+                self.timeline.events[-1].live_bytes = self.mem.live
         return self.timeline
 
     # ---- per-vertex data -------------------------------------------------------------------
@@ -378,6 +385,8 @@ class StepSimulation:
         outputs = meta.outputs if meta.outputs is not None else [ids[-1]]
         self.outputs = [o for o in outputs if o in graph]
         self.loss_bytes = int(meta.loss_peak_bytes or 0)
+        # The loop people write holds its outputs until the step ends.
+        self.outputs_held = bool(meta.outputs_held)
         # The outputs' gradients: as measured with the loss (a sum's take nothing), shared
         # out in proportion to the outputs' sizes; unmeasured, each as large as its output.
         sizes = sum(self.node[o].mem for o in self.outputs)
@@ -594,12 +603,14 @@ class StepSimulation:
         """The loss runs on top of everything the forward holds, to its measured peak
         (``meta.loss_peak_bytes``, counted at the last forward op so that the events stay
         one per op); it drops its references to the outputs (the step's locals are gone
-        when ``loss.backward()`` starts), then the outputs' gradients appear."""
+        when ``loss.backward()`` starts) unless the step holds them to its end
+        (``meta.outputs_held``), then the outputs' gradients appear."""
         if self.loss_bytes and self.timeline.events:
             last = self.timeline.events[-1]
             last.peak_bytes = max(last.peak_bytes, self.mem.live + self.loss_bytes)
-        for o in self.outputs:
-            self.mem.release(self._val(o))
+        if not self.outputs_held:
+            for o in self.outputs:
+                self.mem.release(self._val(o))
         for o in self.outputs:
             if self.requires[o]:
                 self.grad_of[o] = ("grad", o)
@@ -622,7 +633,7 @@ class StepSimulation:
                 if bv != v and stage_of[bv] <= k:
                     mem.release(("val", bv))
         for o in self.outputs:
-            if stage_of[base[o]] <= k:
+            if stage_of[base[o]] <= k and not self.outputs_held:
                 mem.release(("val", base[o]))
         gradients = self.shared.tail_gradients(tail)
         for key, nbytes, refs in gradients.storages:
