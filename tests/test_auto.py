@@ -29,13 +29,13 @@ def test_tc_first_when_it_fits(no_offload):
     budget = min_budget_solve_approx_tc(GRAPH) + 5
     plan = solve_auto(GRAPH, budget)
     assert plan.solver == "auto:kusumoto-tc" and plan.feasible
-    assert plan.predicted_extra_seconds == solve_approx_tc(GRAPH, budget).predicted_extra_seconds
+    assert plan.predicted_extra_seconds <= solve_approx_tc(GRAPH, budget).predicted_extra_seconds
     assert plan.guaranteed_peak_bytes <= budget
 
 
-def test_no_budget_scan_one_dp_run_per_step(no_offload, monkeypatch):
-    """auto runs the time-centric DP once at the budget, and the memory-centric one once
-    when that has no plan: no scan, no bisection."""
+def test_the_time_centric_dp_runs_above_the_budget_only_once_it_fits(no_offload, monkeypatch):
+    """auto runs the time-centric DP at the budget, then, where it has a plan, at a few
+    budgets above it (a bounded scan); where it has none, the memory-centric DP once."""
     calls: list[tuple[str, int | None]] = []
     real_tc, real_mc = auto.solve_approx_tc, auto.solve_approx_mc
 
@@ -51,7 +51,9 @@ def test_no_budget_scan_one_dp_run_per_step(no_offload, monkeypatch):
     monkeypatch.setattr(auto, "solve_approx_mc", mc)
     least = min_budget_solve_approx_tc(GRAPH)
     solve_auto(GRAPH, least)
-    assert calls == [("tc", least)]
+    assert calls[0] == ("tc", least)
+    assert all(kind == "tc" and budget > least for kind, budget in calls[1:])
+    assert len(calls) <= 1 + len(auto.SCAN_SCALES) + auto.SCAN_BISECTIONS
     calls.clear()
     solve_auto(GRAPH, least - 1)
     assert calls == [("tc", least - 1), ("mc", least - 1)]
@@ -108,3 +110,20 @@ def test_min_budget_is_a_budget_auto_meets(no_offload):
 def test_no_budget_is_plain_tc(no_offload):
     plan = solve_auto(GRAPH, None)
     assert plan.solver == "auto:kusumoto-tc" and len(plan.stages) == 1 and plan.feasible
+
+
+def test_auto_spends_the_budget_the_time_centric_dp_leaves():
+    """A ResNet-50 profiled on an H200 (benchmarks/results/cuda): the DP's summed cache
+    counts values the simulator frees between stages, so its plan for a budget leaves part
+    of it unspent. auto's plan fits the budget with less extra time than the DP's own."""
+    from pathlib import Path
+
+    from lightning_remat.planner import plain_peak_bytes
+
+    graph = Graph.load(Path(__file__).parents[1] / "benchmarks/results/cuda/plans/resnet50.graph.json")
+    for fraction in (0.5, 0.75):
+        budget = int(plain_peak_bytes(graph) * fraction)
+        dp = solve_approx_tc(graph, budget)
+        plan = solve(graph, budget, "auto")
+        assert plan.feasible and plan.guaranteed_peak_bytes <= budget
+        assert plan.predicted_extra_seconds < dp.predicted_extra_seconds, fraction
