@@ -57,19 +57,17 @@ class SearchedNet(ShardedNet):
         }
         (self.record_dir / f"search{self.global_rank}.json").write_text(json.dumps(record))
 
-    def teardown(self, stage):
-        if not self.shard and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()  # DDP: ranks leave the gloo group together
-            torch.distributed.destroy_process_group()
 
-
-def _search(tmp_path, strategy, shard):
+def _search(tmp_path, strategy, shard) -> None:
     finder = RematBatchSizeFinder(memory_budget="192KiB", init_val=16, max_val=512, steps_per_trial=1,
                                   progress_bar=False)
     trainer = pl.Trainer(strategy=strategy, callbacks=[finder],
                          **trainer_kwargs(tmp_path, devices=2, max_steps=2, deterministic=False))
     trainer.fit(SearchedNet(tmp_path, shard=shard))
-    return [json.loads((tmp_path / f"search{r}.json").read_text()) for r in (0, 1)]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads((path / f"search{r}.json").read_text()) for r in (0, 1)]
 
 
 def _check(records):
@@ -85,14 +83,8 @@ def _check(records):
 def test_search_under_remat_fsdp(tmp_path):
     strategy = RematFSDPStrategy(memory_budget="192KiB", cache_dir=tmp_path / "cache", start_method="spawn",
                                  profile_steps=1)
-    _check(_search(tmp_path, strategy, shard=True))
-
-
-@pytest.mark.slow
-def test_search_under_remat_ddp(tmp_path):
-    strategy = RematDDPStrategy(memory_budget="192KiB", cache_dir=tmp_path / "cache", start_method="spawn",
-                                process_group_backend="gloo", profile_steps=1)
-    _check(_search(tmp_path, strategy, shard=False))
+    _search(tmp_path, strategy, shard=True)
+    _check(_records(tmp_path))
 
 
 def test_a_size_fits_only_where_it_fits_on_every_rank():
@@ -198,10 +190,31 @@ def oom_on_one_rank(rank: int, out: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
+def search_under_remat_ddp(rank: int, out: Path) -> None:
+    """The search under remat_ddp, in the spawn the out-of-memory scenario then reuses."""
+    strategy = RematDDPStrategy(memory_budget="192KiB", cache_dir=out / "cache", process_group_backend="gloo",
+                                profile_steps=1)
+    _search(out, strategy, shard=False)
+
+
+@pytest.fixture(scope="module")
+def ranks_ran(tmp_path_factory) -> Path:
+    """One spawn of two ranks (tests/distributed.py) for both scenarios; the out-of-memory
+    one last, as it leaves the process group out of step. The spawned launcher
+    (``start_method="spawn"``) is what the search under remat_fsdp runs."""
+    out = tmp_path_factory.mktemp("ranks")
+    run_ranks(out, [search_under_remat_ddp, oom_on_one_rank], timeout=240)
+    return out
+
+
 @pytest.mark.slow
-def test_a_trial_out_of_memory_on_one_rank_stops_every_rank_with_one_error(tmp_path):
-    run_ranks(tmp_path, [oom_on_one_rank], timeout=120)
-    records = [json.loads((tmp_path / "oom_on_one_rank" / f"stopped{r}.json").read_text()) for r in (0, 1)]
+def test_search_under_remat_ddp(ranks_ran):
+    _check(_records(ranks_ran / "search_under_remat_ddp"))
+
+
+@pytest.mark.slow
+def test_a_trial_out_of_memory_on_one_rank_stops_every_rank_with_one_error(ranks_ran):
+    records = [json.loads((ranks_ran / "oom_on_one_rank" / f"stopped{r}.json").read_text()) for r in (0, 1)]
     for record in records:
         assert record["seconds"] < 60  # left the collective at its shortened timeout, not torch's 30 min
         assert record["timeout"] == 1800  # torch's default again

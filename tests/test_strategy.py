@@ -13,11 +13,15 @@ from lightning_remat.lightning.strategy import RematStrategy, forward_routed
 from lightning_remat.meter import peak_bytes
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
+SIZE = 16
+"""The ConvNet's images: 16 pixels keep its activations several times its parameters (the
+50% budget recomputes) at a quarter of the convolutions' work at 32."""
+
 
 def _fit(tmp_path, strategy, seed=0, **extra):
     pl.seed_everything(seed)
     model = ConvNet()
-    train, val = loaders()
+    train, val = loaders(size=SIZE)
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, **extra))
     trainer.fit(model, train, val)
     return model, trainer
@@ -91,7 +95,7 @@ def test_remat_training_ends_with_the_same_weights_and_a_lower_peak(tmp_path):
     (entry,) = strategy.planner.planned.values()
     assert entry.plan.count("recompute") > 0
     # Measured: one step of the planned module against the plain module, same batch.
-    x = next(iter(loaders()[0]))[0]
+    x = next(iter(loaders(size=SIZE)[0]))[0]
     plain_peak = peak_bytes(lambda: plain(x).sum().backward())
     remat_peak = peak_bytes(lambda: entry.module(x).sum().backward())
     assert remat_peak < plain_peak
@@ -145,7 +149,7 @@ def test_checkpoints_load_both_ways_and_resume_restores_the_plan(tmp_path, monke
     resumed = RematStrategy(memory_budget="50%", cache_dir=tmp_path / "empty")
     pl.seed_everything(0)
     trainer = pl.Trainer(strategy=resumed, **trainer_kwargs(tmp_path / "resume"))
-    trainer.fit(ConvNet(), *loaders(), ckpt_path=path)
+    trainer.fit(ConvNet(), *loaders(size=SIZE), ckpt_path=path)
     (entry,) = resumed.planner.planned.values()
     assert entry.from_cache
 
@@ -156,7 +160,7 @@ def test_plain_checkpoint_loads_into_a_remat_run(tmp_path):
     trainer.save_checkpoint(path)
     strategy = RematStrategy(memory_budget="50%", cache_dir=tmp_path / "cache")
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path / "r"))
-    trainer.fit(ConvNet(), *loaders(), ckpt_path=path)
+    trainer.fit(ConvNet(), *loaders(size=SIZE), ckpt_path=path)
     assert trainer.current_epoch == 2 and strategy.planner.planned
 
 
@@ -170,7 +174,7 @@ def test_a_new_non_tensor_argument_is_planned_again_and_trains_like_plain(tmp_pa
     for name, strategy in (("plain", "auto"), ("remat", RematStrategy(memory_budget="60%", cache_dir=tmp_path / "c"))):
         pl.seed_everything(0)
         model = FlaggedConvNet()
-        train, _ = loaders()
+        train, _ = loaders(size=SIZE)
         trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path / name, max_epochs=1))
         trainer.fit(model, train)
         results[name] = (model, trainer)

@@ -5,6 +5,7 @@ rank zero's plan, and the checkpoints of the two load into each other."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -14,7 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_remat.lightning.fsdp import RematFSDPStrategy, SpawnedShardsLauncher
+from lightning_remat.lightning.fsdp import RematFSDPStrategy
+from tests.distributed import run_ranks
 from tests.lit_models import trainer_kwargs
 
 STEPS = 3
@@ -92,31 +94,6 @@ class ShardedNet(pl.LightningModule):
             (self.out_dir / f"plans{self.global_rank}.json").write_text(json.dumps(plans))
 
 
-class SpawnedFSDP(ModelParallelStrategy):
-    """Plain FSDP (Lightning's ModelParallelStrategy), its ranks spawned from the test."""
-
-    def _configure_launcher(self) -> None:
-        self._launcher = SpawnedShardsLauncher(self, start_method="spawn")
-
-
-def plain_fsdp() -> SpawnedFSDP:
-    return SpawnedFSDP(data_parallel_size=2, tensor_parallel_size=1)
-
-
-def remat_fsdp(tmp_path, budget="75%") -> RematFSDPStrategy:
-    return RematFSDPStrategy(memory_budget=budget, cache_dir=tmp_path / "cache", start_method="spawn",
-                             profile_steps=1)
-
-
-def fit(tmp_path, strategy, ckpt_path=None, save=None, steps=STEPS):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    model = ShardedNet(out_dir=tmp_path, save=save)
-    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(tmp_path, devices=2, max_steps=steps,
-                                                             deterministic=False))
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer
-
-
 def saved(path, rank):
     return torch.load(path / f"rank{rank}.pt", weights_only=False)
 
@@ -134,11 +111,45 @@ def assert_same_training(a, b, buffers=True):
                 assert torch.equal(torch.as_tensor(ra["optim"][i][k]), torch.as_tensor(rb["optim"][i][k])), (rank, i, k)
 
 
+# ---- four fits in one spawn of two ranks (tests/distributed.py), run in this order -------------
+# The spawned launcher of remat_fsdp (start_method="spawn") is what
+# tests/test_batch_size_ranks.py's search under remat_fsdp runs.
+
+
+def _plain_strategy() -> ModelParallelStrategy:
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def _remat_strategy(out: Path) -> RematFSDPStrategy:
+    return RematFSDPStrategy(memory_budget="75%", cache_dir=out.parent / "cache", profile_steps=1)
+
+
+def _ranked_fit(out: Path, strategy, ckpt_path=None, save=None) -> None:
+    model = ShardedNet(out_dir=out, save=save)
+    trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(out, devices=2, max_steps=STEPS,
+                                                             deterministic=False))
+    trainer.fit(model, ckpt_path=ckpt_path)
+
+
+def plain(rank: int, out: Path) -> None:
+    _ranked_fit(out, _plain_strategy(), save=out.parent / "plain.ckpt")
+
+
+def remat(rank: int, out: Path) -> None:
+    _ranked_fit(out, _remat_strategy(out), save=out.parent / "remat.ckpt")
+
+
+def plain_from_remat(rank: int, out: Path) -> None:
+    _ranked_fit(out, _plain_strategy(), ckpt_path=out.parent / "remat.ckpt")
+
+
+def remat_from_plain(rank: int, out: Path) -> None:
+    _ranked_fit(out, _remat_strategy(out), ckpt_path=out.parent / "plain.ckpt")
+
+
 @pytest.mark.slow
 def test_remat_fsdp_trains_as_plain_fsdp_and_checkpoints_load_into_each_other(tmp_path):
-    plain_ckpt, remat_ckpt = tmp_path / "plain.ckpt", tmp_path / "remat.ckpt"
-    fit(tmp_path / "plain", plain_fsdp(), save=plain_ckpt)
-    fit(tmp_path / "remat", remat_fsdp(tmp_path), save=remat_ckpt)
+    run_ranks(tmp_path, [plain, remat, plain_from_remat, remat_from_plain])
     plans = [json.loads((tmp_path / "remat" / f"plans{r}.json").read_text()) for r in (0, 1)]
     assert plans[0] and plans[0] == plans[1]  # every rank ran rank zero's plan
     assert any('"recompute"' in p for p in plans[0])
@@ -146,9 +157,7 @@ def test_remat_fsdp_trains_as_plain_fsdp_and_checkpoints_load_into_each_other(tm
     # Each run resumed from the other's checkpoint (max_steps already reached: it only loads).
     # A distributed checkpoint keeps one copy of a replicated buffer, so the per-rank
     # BatchNorm statistics are not compared after loading (plain FSDP's own resume is alike).
-    fit(tmp_path / "plain_from_remat", plain_fsdp(), ckpt_path=remat_ckpt)
     assert_same_training(tmp_path / "plain", tmp_path / "plain_from_remat", buffers=False)
-    fit(tmp_path / "remat_from_plain", remat_fsdp(tmp_path), ckpt_path=plain_ckpt)
     assert_same_training(tmp_path / "plain", tmp_path / "remat_from_plain", buffers=False)
 
 

@@ -20,7 +20,9 @@ from tests.lit_models import ConvNet, loaders, trainer_kwargs
 def _fit(root, strategy, ckpt_path=None, **extra):
     pl.seed_everything(0)
     model = ConvNet()
-    train, _ = loaders()
+    # 16-pixel images: the plans and the messages are what is checked, and a bf16 convolution
+    # on the CPU is slow.
+    train, _ = loaders(size=16)
     trainer = pl.Trainer(strategy=strategy, **trainer_kwargs(root, **{"max_epochs": 1, "limit_train_batches": 2, **extra}))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
