@@ -584,6 +584,8 @@ class Planner:
             traced = (self.tracer or trace_module)(self.module, args, kwargs)
         if traced.kind == CHILDREN:
             plan = per_submodule_plan(graph, plan, budget)
+        if not any(note.startswith("capture: ") for note in plan.notes):
+            plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
         variant.budget_bytes = budget
         planned.variant = self.remat_module.variants[planned.key] = variant
