@@ -41,6 +41,26 @@ def no_grads(model):
     for p in model.parameters():
         p.grad = None
 
+def loop(net, x, y):
+    def step():
+        out = net(x)  # alive until the step ends, as in the loop people write
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+    return step
+
+def plain_and_planned(model, x, y, budget):
+    # The loop's peak at the edge, plain and planned at budget (each after a warm-up).
+    loop(model, x, y)()
+    no_grads(model)
+    plain = edge_peak(loop(model, x, y))
+    no_grads(model)
+    remat_model = lightning_remat.remat(model, x, memory_budget=budget)
+    loop(remat_model, x, y)()
+    no_grads(model)
+    measured = edge_peak(loop(remat_model, x, y))
+    return remat_model, {"plain": plain, "base": plain_peak_bytes(remat_model.graph),
+                         "budget": remat_model.budget_bytes, "measured": measured}
+
 torch.manual_seed(0)
 torch.set_num_threads(1)
 """
@@ -50,25 +70,8 @@ _LARGE_OUTPUT = _EDGE + r"""
 model = nn.Sequential(nn.Linear(64, 64), *[m for _ in range(36) for m in (nn.ReLU(), nn.Linear(64, 64))],
                       nn.ReLU(), nn.Linear(64, 512))
 x, y = torch.randn(2048, 64), torch.randint(0, 512, (2048,))
-
-def loop(net):
-    def step():
-        out = net(x)  # alive until the step ends, as in the loop people write
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-    return step
-
-loop(model)()
-no_grads(model)
-plain = edge_peak(loop(model))
-no_grads(model)
-remat_model = lightning_remat.remat(model, x, memory_budget="60%")
-loop(remat_model)()
-no_grads(model)
-measured = edge_peak(loop(remat_model))
-print(json.dumps({"plain": plain, "base": plain_peak_bytes(remat_model.graph),
-                  "budget": remat_model.budget_bytes, "measured": measured,
-                  "recomputed": remat_model.plan.count("recompute")}))
+remat_model, figures = plain_and_planned(model, x, y, "60%")
+print(json.dumps({**figures, "recomputed": remat_model.plan.count("recompute")}))
 """
 
 _LORA = _EDGE + r"""
@@ -85,24 +88,7 @@ class Adapted(nn.Module):
 
 model = nn.Sequential(*[m for _ in range(8) for m in (Adapted(512), nn.ReLU())], nn.Linear(512, 16))
 x, y = torch.randn(1024, 512), torch.randint(0, 16, (1024,))
-
-def loop(net):
-    def step():
-        out = net(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-    return step
-
-loop(model)()
-no_grads(model)
-plain = edge_peak(loop(model))
-no_grads(model)
-remat_model = lightning_remat.remat(model, x, memory_budget="75%")
-loop(remat_model)()
-no_grads(model)
-measured = edge_peak(loop(remat_model))
-print(json.dumps({"plain": plain, "base": plain_peak_bytes(remat_model.graph),
-                  "budget": remat_model.budget_bytes, "measured": measured}))
+print(json.dumps(plain_and_planned(model, x, y, "75%")[1]))
 """
 
 

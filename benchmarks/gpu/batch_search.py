@@ -14,14 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.common import (  # noqa: E402
-    Report,
-    dry_run,
-    lightning_model,
-    parser,
-    refuse_without_cuda,
-    step_peak,
-)
+from benchmarks.gpu import common  # noqa: E402
+from benchmarks.gpu.common import Report, dry_run, lightning_model, parser  # noqa: E402
 
 SEARCHES = {"byte budget 4GiB": "4GiB", "no budget (free memory, real OOMs)": None}
 
@@ -46,7 +40,7 @@ def search(report: Report, name: str, budget: str | None, max_val: int) -> None:
             return
         report.check(f"{name}: a size found", found.batch_size > 0, f"batch size {found.batch_size}",
                      batch_size=found.batch_size)
-        peak_of = step_peak()
+        peak_of = common.step_peak()
         try:
             trainer = pl.Trainer(strategy=RematStrategy(memory_budget=budget), accelerator="cuda", devices=1,
                                  max_steps=3, default_root_dir=tmp, enable_checkpointing=False,
@@ -71,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(report, [f"{name}: find_max_batch_size up to {args.max_val}, then 3 steps"
                                 for name in args.searches])
-    if refuse_without_cuda(report):
+    if common.refuse_without_cuda(report):
         for name in args.searches:
             search(report, name, SEARCHES[name], args.max_val)
     report.write(args.out)

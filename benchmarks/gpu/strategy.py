@@ -17,14 +17,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.common import (  # noqa: E402
-    Report,
-    dry_run,
-    lightning_model,
-    parser,
-    refuse_without_cuda,
-    step_peak,
-)
+from benchmarks.gpu import common  # noqa: E402
+from benchmarks.gpu.common import Report, dry_run, lightning_model, parser  # noqa: E402
 
 CASES = {
     "fp32 at 50%": {"budget": "50%", "precision": "32-true"},
@@ -54,7 +48,7 @@ def fit(root: Path, case: dict[str, Any], remat: bool) -> tuple[dict[str, Any], 
     else:
         strategy = (RematStrategy(memory_budget=case["budget"], solver=case.get("solver", "auto"),
                                   cache_dir=root / "cache") if remat else "auto")
-    peak = step_peak()
+    peak = common.step_peak()
     trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=STEPS,
                          precision=case["precision"], default_root_dir=str(root), enable_checkpointing=False,
                          enable_progress_bar=False, callbacks=[peak])
@@ -96,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("strategy")
     if args.dry_run:
         return dry_run(report, [f"{name}: {CASES[name]}, {STEPS} steps, against plain" for name in args.cases])
-    if refuse_without_cuda(report):
+    if common.refuse_without_cuda(report):
         for name in args.cases:
             # bf16's rounding differs between a recomputed and a kept op only where
             # kernels differ; its weights are compared to bf16's own resolution.
