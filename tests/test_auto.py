@@ -127,3 +127,35 @@ def test_auto_spends_the_budget_the_time_centric_dp_leaves():
         plan = solve(graph, budget, "auto")
         assert plan.feasible and plan.guaranteed_peak_bytes <= budget
         assert plan.predicted_extra_seconds < dp.predicted_extra_seconds, fraction
+
+
+def test_the_smallest_budget_depends_on_the_bytes_not_the_times():
+    """Two profiles of one model measure the same bytes and times apart (tiny CPU ops vary
+    by half and more). The smallest budget auto names is the same for both, and each
+    profile's plan fits it: the budget an error named after one profile is accepted after
+    the next."""
+    import dataclasses
+    import random
+
+    import torch
+
+    from lightning_remat import remat
+    from tests.models import TinyLM
+
+    torch.manual_seed(0)
+    graph = remat(TinyLM(vocab=500, dim=32, heads=2, layers=3, max_len=64),
+                  torch.randint(0, 500, (8, 64)), None).graph
+    rng = random.Random(0)
+    named = []
+    for _ in range(6):
+        nodes = [dataclasses.replace(n, t_fwd=n.t_fwd * rng.uniform(0.5, 2.0),
+                                     t_bwd=n.t_bwd * rng.uniform(0.5, 2.0)) for n in graph.nodes]
+        meta = graph.meta.copy()
+        for name in ("recompute_stage_seconds", "recompute_vertex_seconds"):  # the executor's
+            setattr(meta, name, getattr(meta, name) * rng.uniform(0.5, 2.0))
+        profile = Graph(nodes, list(graph.edges), meta)
+        least = min_budget(profile, "auto")
+        plan = solve(profile, least, "auto")
+        assert plan.feasible and plan.guaranteed_peak_bytes <= least
+        named.append(least)
+    assert len(set(named)) == 1, named

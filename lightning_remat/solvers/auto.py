@@ -32,6 +32,7 @@ produced it (``"auto:kusumoto-tc"``, ``"auto:kusumoto-mc"``, ``"auto:dynprog"``)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
@@ -42,6 +43,7 @@ from lightning_remat.solvers.kusumoto import (
     solve_approx_tc,
 )
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = ["min_budget_solve_auto", "solve_auto"]
 
@@ -164,8 +166,15 @@ def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -
     approximate TC DP's plan at its smallest budget (where the simulator finds more than the
     DP there, the smallest budget up to that plan's peak whose TC plan fits it), and, where offloading is
     allowed, the chain's plan at DynProg's smallest budget where it fits there. Given a
-    ``budget`` below every one of them, none (without solving anything)."""
+    ``budget`` below every one of them, none (without solving anything).
+
+    The TC DP here counts every vertex as one unit of time (:func:`_unit_times`): which of
+    the strategies within the smallest budget it takes, and so the simulator's peak of it,
+    then depends on the measured bytes only. With measured times, two profiles of the same
+    model (same bytes, times a few percent apart) named budgets up to 7% apart, so the
+    budget one profile named was refused by the next."""
     kusumoto_options = _kusumoto_options(options)
+    real, graph = graph, _unit_times(graph)
     lo = int(min_budget_solve_approx_tc(graph, **kusumoto_options))
     offload = None
     if options.get("allow_offload", True):
@@ -188,12 +197,24 @@ def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -
                 hi, tc = mid, candidate
             else:
                 lo = mid
+    # The same stages on the measured graph: its extra time is the measured one.
+    tc = make_plan(real, tc.stages, tc.solver, hi, notes=tc.notes)
     anchors = [(hi, _label(tc, "auto:kusumoto-tc", [], True))]
     if offload is not None and offload < anchors[0][0]:
-        plan = _chain(graph, offload, options)[0]
+        plan = _chain(real, offload, options)[0]
         if plan is not None:
             anchors.insert(0, (offload, plan))
     return anchors
+
+
+def _unit_times(graph: Graph) -> Graph:
+    """``graph`` with every vertex's forward and backward time one unit and no executor
+    time of its own (also measured): a strategy's extra time is then the number of
+    vertices it runs again."""
+    nodes = [replace(node, t_fwd=1.0, t_bwd=1.0) for node in graph.nodes]
+    meta = graph.meta.copy()
+    meta.recompute_stage_seconds = meta.recompute_vertex_seconds = None
+    return Graph(nodes, list(graph.edges), meta)
 
 
 def _label(plan: Plan, name: str, notes: list[str], fits: bool) -> Plan:
