@@ -1,9 +1,9 @@
 """The memory meter: the truth every prediction is held to (docs/design.md section 6).
 
 CUDA: the caching allocator's peak above what was allocated before the call.
-CPU: every allocation c10's CPU allocator makes (:class:`AllocationLog`): torch.profiler's
-memory events, which c10 reports for each allocation and free with the allocator's running
-total, op-internal buffers included (a oneDNN convolution's scratch, im2col's column
+CPU: every allocation c10's CPU allocator makes (:class:`AllocationLog`): the autograd
+profiler's memory events (without Kineto), which c10 reports for each allocation and free
+with its size, op-internal buffers included (a oneDNN convolution's scratch, im2col's column
 buffers), read back after the call. It changes nothing in the process (no allocator
 setting, no ``/proc`` write). Where another torch.profiler is running (one at a time), the
 meter counts tensor storage instead (:class:`StorageMeter`, the way
@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._profiler import _EventType, _ExperimentalConfig
+from torch._C._profiler import _ExperimentalConfig
 from torch.autograd import (
-    ProfilerActivity,
     ProfilerConfig,
     ProfilerState,
-    _disable_profiler,
-    _enable_profiler,
-    _prepare_profiler,
+    _disable_profiler_legacy,
+    _enable_profiler_legacy,
     _profiler_enabled,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,9 +41,9 @@ from torch.utils._pytree import tree_leaves
 
 
 class AllocationLog:
-    """Every allocation and free c10's CPU allocator makes while entered, from torch.profiler's
-    memory events (``profile_memory=True``; c10 reports each with the allocator's running
-    total, oneDNN's scratch and im2col's buffers included), read back on exit.
+    """Every allocation and free c10's CPU allocator makes while entered, from the autograd
+    profiler's memory events (``profile_memory=True``; c10 reports each with its size,
+    oneDNN's scratch and im2col's buffers included), read back on exit.
 
     :meth:`mark` records a point in the step; after exit, ``levels[i]`` is the bytes live at
     mark ``i`` and ``peaks[i]`` the highest between mark ``i - 1`` and mark ``i``, both above
@@ -61,7 +59,7 @@ class AllocationLog:
         self.live = 0
         self.peak = 0
         self._count = 0
-        self._allocations: list[tuple[int, int, int]] = []  # (time, running total, size)
+        self._allocations: list[tuple[float, int]] = []  # (time, bytes: negative for a free)
         self._marks: list[tuple[int, int]] = []  # (time, index)
 
     @staticmethod
@@ -81,13 +79,16 @@ class AllocationLog:
 
     @staticmethod
     def _start() -> None:
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-        _prepare_profiler(config, {ProfilerActivity.CPU})
-        _enable_profiler(config, {ProfilerActivity.CPU})
+        # The autograd profiler without Kineto (``ProfilerState.CPU``): c10 reports the same
+        # allocations to it, and a CPU step needs none of Kineto's tracing. Started and
+        # stopped once per metered step, Kineto's trace processing corrupted the heap (a
+        # crash one fit in about twenty on a 2-core machine, torch 2.14).
+        config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+        _enable_profiler_legacy(config)
 
     def _pause(self) -> None:
         """Stop the profiler, keeping what it logged; :meth:`_start` goes on."""
-        self._collect(_disable_profiler().experimental_event_tree())
+        self._collect(_disable_profiler_legacy())
 
     def mark(self) -> int:
         """Record a point of the step; its index into ``levels`` and ``peaks``."""
@@ -111,32 +112,30 @@ class AllocationLog:
         peak = max(self.peaks[start + 1:end + 1], default=self.levels[start])
         return self.levels[start], max(peak, self.levels[start]), self.levels[end]
 
-    def _collect(self, roots: list[Any]) -> None:
-        todo = list(roots)
-        while todo:
-            event = todo.pop()
-            if event.tag == _EventType.Allocation:
-                fields = event.extra_fields
-                if fields.device.type == "cpu":
-                    self._allocations.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
-            elif event.name.startswith(_MARK):
-                self._marks.append((event.start_time_ns, int(event.name[len(_MARK):])))
-            todo.extend(event.children)
+    def _collect(self, threads: list[list[Any]]) -> None:
+        for events in threads:  # each thread's events in the order they happened
+            for event in events:
+                kind = event.kind()
+                if kind == "memory_alloc":
+                    if event.device() == -1:  # the CPU (a CUDA event names its device)
+                        self._allocations.append((event.start_us(), int(event.cpu_memory_usage())))
+                elif kind == "push" and event.name().startswith(_MARK):
+                    self._marks.append((event.start_us(), int(event.name()[len(_MARK):])))
 
     def _resolve(self) -> None:
-        # Every event carries the allocator's running total, so the pieces logged between
+        # Each event carries its bytes (negative for a free), so the pieces logged between
         # pauses, and those of logs run inside this one, join into one series by time.
         allocations = sorted(self._allocations, key=lambda a: a[0])  # stable: one thread's order
         marks = sorted(self._marks)
-        base = allocations[0][1] - allocations[0][2] if allocations else 0
+        base = 0
         level = peak = base
         self.levels = [0] * self._count
         self.peaks = [0] * self._count
         k = 0
-        for time_ns, index in marks:
+        for time, index in marks:
             peak = level
-            while k < len(allocations) and allocations[k][0] <= time_ns:
-                level = allocations[k][1]
+            while k < len(allocations) and allocations[k][0] <= time:
+                level += allocations[k][1]
                 peak = max(peak, level)
                 k += 1
             self.levels[index] = level - base
