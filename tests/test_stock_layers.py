@@ -1,6 +1,7 @@
-"""Plans on torch's own layers and on torchvision's MobileNetV3: each solver's plan (every
-non-offloading one on the transformer; auto and kusumoto-mc on MobileNetV3), at its
-smallest budget and half-way to the plain step's, trains with gradients equal to plain.
+"""Plans on torch's own layers and on torchvision's ResNet-18 and MobileNetV3: every
+non-offloading solver's plan, at two budgets each (on the transformer its own smallest
+budget and half-way to the plain step's; on the torchvision models the memory-centric DP's
+smallest and half-way), trains with gradients (and BatchNorm statistics) equal to plain.
 
 These modules run dropout inside one traced vertex (``nn.MultiheadAttention``'s attention
 dropout, ``nn.Dropout``): the mask is allocated uninitialised (``empty_like``) and drawn in
@@ -46,15 +47,7 @@ def seq2seq() -> tuple[nn.Module, tuple]:
     return Seq2Seq(), (torch.randn(4, 16, 32), torch.randn(4, 12, 32))
 
 
-def mobilenet() -> tuple[nn.Module, tuple]:
-    torchvision = pytest.importorskip("torchvision")
-    return torchvision.models.mobilenet_v3_small(num_classes=10), (torch.randn(2, 3, 32, 32),)
-
-
 NON_OFFLOADING = sorted(s for s, entry in SOLVERS.items() if not entry.offloads and s != "plain")
-# MobileNetV3's 150-odd vertices make the bisecting solvers' smallest budgets (Chen, Feng,
-# Hong) take minutes on CI's two cores: there, auto and the memory-centric DP.
-SOLVERS_OF = {"transformer": NON_OFFLOADING, "mobilenet_v3": ["auto", "kusumoto-mc"]}
 
 
 def _step(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:
@@ -64,17 +57,16 @@ def _step(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SOLVERS_OF))
-def test_every_solvers_plan_trains_as_plain(name: str) -> None:
+def test_every_solvers_plan_trains_the_transformer_layers_as_plain() -> None:
     torch.manual_seed(0)
-    model, inputs = {"transformer": seq2seq, "mobilenet_v3": mobilenet}[name]()
+    model, inputs = seq2seq()
     model.train()
     traced = trace_module(model, inputs)
     graph = profile_module(model, inputs, traced=traced, warmup=0, repeats=1)
     expected = _step(copy.deepcopy(model), inputs)
     top = plain_plan(graph).guaranteed_peak_bytes
     ran = 0
-    for solver in SOLVERS_OF[name]:
+    for solver in NON_OFFLOADING:
         try:
             least = min_budget(graph, solver)
         except RematInfeasibleError:  # the exact DPs decline a graph this wide
@@ -90,6 +82,58 @@ def test_every_solvers_plan_trains_as_plain(name: str) -> None:
                 assert torch.equal(got, want), (solver, budget, name)
             ran += 1
     assert ran >= 2  # plans that recompute were run, not only plain ones
+
+
+def torchvision_model(name: str) -> tuple[nn.Module, tuple]:
+    """torchvision's ResNet-18 (BatchNorm, residual adds, in-place ReLU) and MobileNetV3-Small
+    (in-place Hardswish, squeeze-excitation)."""
+    torchvision = pytest.importorskip("torchvision")
+    model = getattr(torchvision.models, name)(num_classes=10)
+    return model, (torch.randn(8, 3, 64, 64),)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_every_solvers_plan_at_several_budgets_trains_torchvision_models_as_plain(name: str) -> None:
+    """Each non-offloading solver's own plan at two budgets, fitting or not (a plan over its
+    budget still runs): the memory-centric DP's smallest budget and half-way from it to the
+    plain peak (the same two for every solver: the bisecting solvers' own smallest budgets
+    take minutes on two cores). One step from the same weights gives plain's gradients and
+    BatchNorm statistics, bit for bit."""
+    torch.manual_seed(0)
+    model, inputs = torchvision_model(name)
+    model.train()
+    traced = trace_module(model, inputs)
+    graph = profile_module(model, inputs, traced=traced, warmup=0, repeats=1)
+    plain = copy.deepcopy(model)
+    expected = _step(plain, inputs)
+    statistics = _state(plain)
+    top = plain_plan(graph).guaranteed_peak_bytes
+    least = min_budget(graph, "kusumoto-mc")
+    assert least < top
+    fitted = set()
+    for solver in NON_OFFLOADING:
+        for budget in (least, (least + top) // 2):
+            try:
+                plan = SOLVERS[solver].solve(graph, budget)
+            except RematInfeasibleError:  # the exact DPs decline a graph this wide
+                continue
+            assert plan.count("recompute") > 0, (solver, budget)
+            planned = copy.deepcopy(model)
+            remat_model = apply_plan(traced.runner, plan, root=planned, charge=traced.charge, graph=graph)
+            grads = _step(remat_model, inputs)
+            names = [n for n, _ in planned.named_parameters()]
+            for key, got, want in zip(names, grads, expected):
+                assert torch.equal(got, want), (solver, budget, key)
+            for key, value in _state(planned).items():
+                assert torch.equal(value, statistics[key]), (solver, budget, key)
+            if plan.feasible and plan.guaranteed_peak_bytes <= budget:
+                fitted.add(solver)
+    assert {"auto", "kusumoto-tc", "kusumoto-mc"} <= fitted, fitted  # the recomputing solvers fit
 
 
 @pytest.mark.parametrize("layer", ["attention", "dropout"])
