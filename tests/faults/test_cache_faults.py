@@ -197,6 +197,40 @@ def test_a_read_only_cache_is_neither_moved_nor_stops_training(tmp_path, monkeyp
         assert torch.equal(a, b)
 
 
+def test_a_read_only_cache_directory_does_not_stop_a_fit_at_setup(tmp_path, monkeypatch):
+    """Lightning's defaults over a root directory whose plan cache exists and cannot be
+    written (a read-only mount): the fit runs to its end on plans made in memory, with one
+    warning, and the cache is neither moved aside nor changed."""
+    import pytorch_lightning as pl
+
+    import lightning_remat  # noqa: F401  (registers the strategy)
+    from tests.lit_models import ConvNet, loaders, trainer_kwargs
+
+    folder = tmp_path / "lightning_remat_cache"
+    folder.mkdir()
+    cache = PlanCache(folder / "plans.sqlite")
+    for basis, graph, plan in _entries(2):
+        cache.put(basis, graph, plan)
+    before = sorted((p.name, p.read_bytes()) for p in folder.iterdir())
+
+    def read_only(*args, **kwargs):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    # chmod does not stop root, so the read-only mount is simulated at SQLite's door.
+    monkeypatch.setattr("lightning_remat.cache.sqlite3.connect", read_only)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(strategy="remat", **trainer_kwargs(tmp_path, max_epochs=1))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(ConvNet(), *loaders())
+    monkeypatch.undo()
+    messages = _our_warnings(record)
+    assert _without_cache(messages) and "readonly" in messages[0], messages
+    assert trainer.state.finished and trainer.global_step > 0
+    assert trainer.strategy.planner.last is not None  # planned, in memory
+    assert sorted((p.name, p.read_bytes()) for p in folder.iterdir()) == before
+
+
 def test_a_root_dir_whose_cache_folder_is_a_file_still_fits(tmp_path):
     import pytorch_lightning as pl
 
