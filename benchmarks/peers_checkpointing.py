@@ -40,6 +40,15 @@ PEER = {"vit": "timm set_grad_checkpointing", "swin": "timm set_grad_checkpointi
         "efficientnet": "timm set_grad_checkpointing", "gpt2": "HF gradient_checkpointing_enable"}
 
 
+def capture_of(notes: list[str]) -> str:
+    """How the planner captured the forward, from its plan's note ("capture: torch.fx, 71
+    vertices": ``torch.fx``, ``torch.export (non-strict)``, or the submodule fallback)."""
+    for note in notes:
+        if note.startswith("capture: "):
+            return note[len("capture: "):].rsplit(",", 1)[0]
+    return "unknown"
+
+
 def build(name: str) -> tuple[Any, Any]:
     """(model, input), seeded, in training mode."""
     import torch
@@ -101,7 +110,7 @@ def measure(name: str, method: str, budget: int | None, repeats: int) -> dict[st
             return {"infeasible": True, "min_budget_bytes": refused.min_budget_bytes,
                     "planning_seconds": time.perf_counter() - start}
         row.update(planning_seconds=time.perf_counter() - start, vertices=len(graph),
-                   capture="fx" if run._remat_current.hooked is None else "submodule hooks",
+                   capture=capture_of(run.plan.notes),
                    min_budget_bytes=min_budget(graph, "auto"), budget_bytes=run.budget_bytes,
                    recomputed=run.plan.count("recompute"))
 
