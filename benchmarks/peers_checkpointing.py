@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -44,8 +45,9 @@ def capture_of(notes: list[str]) -> str:
     """How the planner captured the forward, from its plan's note ("capture: torch.fx, 71
     vertices": ``torch.fx``, ``torch.export (non-strict)``, or the submodule fallback)."""
     for note in notes:
-        if note.startswith("capture: "):
-            return note[len("capture: "):].rsplit(",", 1)[0]
+        found = re.match(r"capture: (.+?), \d+ vertices", note)
+        if found:
+            return found.group(1)
     return "unknown"
 
 
