@@ -26,6 +26,7 @@ from lightning_remat.graph.trace import trace_module
 from lightning_remat.runtime.module import apply_plan
 from lightning_remat.runtime.stages import KeptRegion, boundary_policy
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, solve
+from lightning_remat.solvers.plan import Plan
 
 
 class Seq2Seq(nn.Module):
@@ -96,6 +97,29 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer.clone() for name, buffer in model.named_buffers()}
 
 
+class _Profiled:
+    """A model in training mode, traced and profiled once, with plain's gradients and
+    buffers after one step from its weights; :meth:`check` runs a plan's step against them."""
+
+    def __init__(self, model: nn.Module, inputs: tuple) -> None:
+        self.model, self.inputs = model.train(), inputs
+        self.traced = trace_module(model, inputs)
+        self.graph = profile_module(model, inputs, traced=self.traced, warmup=0, repeats=1)
+        plain = copy.deepcopy(model)
+        self.grads, self.buffers = _step(plain, inputs), _state(plain)
+
+    def check(self, plan: Plan, *label: object) -> None:
+        """One step under ``plan`` from the same weights: plain's gradients and buffers."""
+        assert plan.count("recompute") > 0, label
+        planned = copy.deepcopy(self.model)
+        runner = apply_plan(self.traced.runner, plan, root=planned, charge=self.traced.charge, graph=self.graph)
+        grads = _step(runner, self.inputs)
+        for key, got, want in zip([n for n, _ in planned.named_parameters()], grads, self.grads):
+            assert torch.equal(got, want), (*label, key)
+        for key, value in _state(planned).items():
+            assert torch.equal(value, self.buffers[key]), (*label, key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_every_solvers_plan_at_several_budgets_trains_torchvision_models_as_plain(name: str) -> None:
@@ -105,13 +129,8 @@ def test_every_solvers_plan_at_several_budgets_trains_torchvision_models_as_plai
     take minutes on two cores). One step from the same weights gives plain's gradients and
     BatchNorm statistics, bit for bit."""
     torch.manual_seed(0)
-    model, inputs = torchvision_model(name)
-    model.train()
-    traced = trace_module(model, inputs)
-    graph = profile_module(model, inputs, traced=traced, warmup=0, repeats=1)
-    plain = copy.deepcopy(model)
-    expected = _step(plain, inputs)
-    statistics = _state(plain)
+    profiled = _Profiled(*torchvision_model(name))
+    graph = profiled.graph
     top = plain_plan(graph).guaranteed_peak_bytes
     least = min_budget(graph, "kusumoto-mc")
     assert least < top
@@ -122,15 +141,7 @@ def test_every_solvers_plan_at_several_budgets_trains_torchvision_models_as_plai
                 plan = SOLVERS[solver].solve(graph, budget)
             except RematInfeasibleError:  # the exact DPs decline a graph this wide
                 continue
-            assert plan.count("recompute") > 0, (solver, budget)
-            planned = copy.deepcopy(model)
-            remat_model = apply_plan(traced.runner, plan, root=planned, charge=traced.charge, graph=graph)
-            grads = _step(remat_model, inputs)
-            names = [n for n, _ in planned.named_parameters()]
-            for key, got, want in zip(names, grads, expected):
-                assert torch.equal(got, want), (solver, budget, key)
-            for key, value in _state(planned).items():
-                assert torch.equal(value, statistics[key]), (solver, budget, key)
+            profiled.check(plan, solver, budget)
             if plan.feasible and plan.guaranteed_peak_bytes <= budget:
                 fitted.add(solver)
     assert {"auto", "kusumoto-tc", "kusumoto-mc"} <= fitted, fitted  # the recomputing solvers fit
@@ -176,21 +187,10 @@ def test_the_plans_that_once_found_a_cached_tensor_mutated_train_as_plain(
     else:
         torchvision = pytest.importorskip("torchvision")
         model, inputs = torchvision.models.mobilenet_v3_large(num_classes=10), (torch.randn(8, 3, 128, 128),)
-    model.train()
-    traced = trace_module(model, inputs)
-    graph = profile_module(model, inputs, traced=traced, warmup=0, repeats=1)
-    plain = copy.deepcopy(model)
-    expected = _step(plain, inputs)
-    statistics = _state(plain)
+    profiled = _Profiled(model, inputs)
     for fraction in fractions:
-        plan = solve(graph, int(plain_plan(graph).guaranteed_peak_bytes * fraction), solver)
-        assert plan.count("recompute") > 0, fraction
-        planned = copy.deepcopy(model)
-        grads = _step(apply_plan(traced.runner, plan, root=planned, charge=traced.charge, graph=graph), inputs)
-        for key, got, want in zip([n for n, _ in planned.named_parameters()], grads, expected):
-            assert torch.equal(got, want), (fraction, key)
-        for key, value in _state(planned).items():
-            assert torch.equal(value, statistics[key]), (fraction, key)
+        profiled.check(solve(profiled.graph, int(plain_plan(profiled.graph).guaranteed_peak_bytes * fraction), solver),
+                       fraction)
 
 
 @pytest.mark.parametrize("layer", ["attention", "dropout"])
