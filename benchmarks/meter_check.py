@@ -4,7 +4,7 @@ convolutions), the same with oneDNN off (im2col column buffers) and a GPT's (att
 For each step, in a fresh child at the allocator's edge (:mod:`benchmarks.edge`): one warm-up
 step, then the peak of one step at the edge, then the meter's reading of the same step:
 ``lightning_remat.meter.peak_bytes`` (every allocation c10's CPU allocator reports, from
-torch.profiler's memory events) and, for comparison, ``StorageMeter`` (the tensors that
+the autograd profiler's memory events) and, for comparison, ``StorageMeter`` (the tensors that
 pass through dispatch: the meter before it counted allocations).
 
     python benchmarks/meter_check.py            # prints the table, writes it for RESULTS.md
@@ -77,8 +77,8 @@ def main() -> int:
     lines = [f"The CPU meter against the allocator's edge: {platform.processor() or platform.machine()}, "
              f"{len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, "
              f"measured {datetime.date.today().isoformat()} at {git_commit(True)} "
-             "(`python benchmarks/meter_check.py`). *every allocation*: the meter now (torch.profiler's "
-             "memory events); *tensor storage*: the meter before (tensors through dispatch).", "",
+             "(`python benchmarks/meter_check.py`). *every allocation*: the meter now (the autograd "
+             "profiler's memory events); *tensor storage*: the meter before (tensors through dispatch).", "",
              "| step | allocator's edge (B) | meter: every allocation (B) | ratio | "
              "meter: tensor storage (B) | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for label, (model_name, onednn) in STEPS.items():

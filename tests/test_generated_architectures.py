@@ -17,7 +17,7 @@ one child process. ``VmHWM`` is read from the kernel's per-CPU batched page coun
 miss up to 32 pages (128 KiB) per CPU the step ran on.
 
 That the prediction is also within 3% *above* the edge is an expected failure: the library's
-meter and the simulator count what ops allocate (torch.profiler's memory events), the edge
+meter and the simulator count what ops allocate (the autograd profiler's memory events), the edge
 what they touch, and some CPU kernels allocate buffers they do not write through (flash
 attention's backward, LayerNorm's backward, im2col's columns), which no page ever backs.
 ``REMAT_GENERATED_MODELS=N`` runs N models per setting instead of the CI's one.
