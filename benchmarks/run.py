@@ -588,11 +588,12 @@ def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: C
     batch = args.batch or batch
     out_path = RESULTS / args.tag / f"{model}.json"
     # Parts of one model measured in separate invocations (benchmarks/gpu/plans.py) land in one file.
-    record = json.loads(out_path.read_text()) if out_path.exists() and args.part != "all" else {}
+    whole = args.part in ("all", "table")
+    record = json.loads(out_path.read_text()) if out_path.exists() and not whole else {}
     record.update(model=model, batch=batch, size=size, **meta)
     rows = record.setdefault("rows", {})
     has_sequential = model.startswith(("resnet", "vgg", "densenet")) or model == "gpt"
-    parts = {"peers", "ours", "batch"} if args.part == "all" else {args.part}
+    parts = {"all": {"peers", "ours", "batch"}, "table": {"peers", "ours"}}.get(args.part, {args.part})
 
     def save() -> None:  # after every figure, so a step cut off by a time limit keeps its rows
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -621,7 +622,8 @@ def run_model(args: argparse.Namespace, model: str, meta: dict[str, Any], log: C
     return record
 
 
-MEASURED = ("peak_bytes", "step_seconds", "plain_step_seconds", "grad_rel_diff", "norm_diff", "error")
+MEASURED = ("peak_bytes", "edge_peak_bytes", "edge_error", "step_seconds", "plain_step_seconds",
+            "grad_rel_diff", "norm_diff", "error")
 """What a measurement gives (the rest of a plan's row comes from its planning)."""
 
 
@@ -724,8 +726,9 @@ def main(argv: list[str] | None = None) -> int:
                    "fits in under an hour on 2 cores)")
     p.add_argument("--models", help=f"comma-separated, of {','.join(MODELS)} (default: all, or the quick set)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--part", default="all", choices=["all", "peers", "ours", "batch"],
-                   help="measure one part of each model (results merge into its file)")
+    p.add_argument("--part", default="all", choices=["all", "table", "peers", "ours", "batch"],
+                   help="measure one part of each model (results merge into its file); table: "
+                   "peers and ours, no largest-batch search (a fresh file, as all)")
     p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
     p.add_argument("--repeats", type=int, help="timed steps per method, and as many plain ones "
@@ -770,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"(or --models {','.join(m for m in models if m not in VISION_MODELS) or 'gpt'})")
     commit = git_commit(args.allow_dirty)
     args.tag = args.tag or kind + ("-quick" if args.quick else "")
-    if args.part == "all" and (RESULTS / args.tag).is_dir() and not args.models:
+    if args.part in ("all", "table") and (RESULTS / args.tag).is_dir() and not args.models:
         for old in (RESULTS / args.tag).glob("*.json"):  # a whole rerun replaces the tag
             old.unlink()
     meta = {"commit": commit, **environment(args.device), "quick": args.quick, "set": args.set}

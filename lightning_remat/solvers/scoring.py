@@ -6,13 +6,15 @@ eq. 1 for what the schedule recomputes, plus the executor's own time).
 
 from __future__ import annotations
 
+import mmap
+
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
 from lightning_remat.solvers.schedule import Schedule, make_schedule
-from lightning_remat.solvers.simulate import simulate
+from lightning_remat.solvers.simulate import MAPPED_BUFFER_BYTES, simulate
 
 __all__ = [
-    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds",
+    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "MAPPED_BUFFER_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds",
     "expandable_segments", "make_plan", "model_margin",
     "plain_plan", "recomputed_seconds", "solve_plain", "stage_overhead_seconds",
 ]
@@ -94,8 +96,9 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     are expandable (``expandable``; None: read from the environment), up to
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` per
-    vertex. A graph no profile measured (no ``meta.device``) is its own exact model: no
-    margin. Plus what a real step under a plan of the graph measured above its prediction
+    vertex and a page for each buffer the C library may map on its own that can be live
+    at once (``simulate.MAPPED_BUFFER_BYTES``). A graph no profile measured (no
+    ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
     measured_excess = int(graph.meta.measured_excess_bytes or 0)
     if graph.meta.device is None:
@@ -108,7 +111,15 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
         if not (expandable_segments() if expandable is None else expandable):
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
         return margin + measured_excess
-    return SMALL_TENSOR_BYTES * n + measured_excess
+    return SMALL_TENSOR_BYTES * n + mmap.PAGESIZE * _mapped_buffers(graph) + measured_excess
+
+
+def _mapped_buffers(graph: Graph) -> int:
+    """How many buffers the C library may map on its own pages a CPU step holds at once:
+    the most storages of at least ``MAPPED_BUFFER_BYTES`` live at once in the plain step
+    (a plan holds no more of them: it frees what it recomputes), and one op's forward and
+    backward scratch."""
+    return simulate(graph).mapped_buffers + 2
 
 
 def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:

@@ -112,9 +112,18 @@ class Event:
     stage: int
 
 
+MAPPED_BUFFER_BYTES = 64 * 2**10
+"""On the CPU, the smallest buffer the C library may map on its own pages (glibc's
+``M_MMAP_THRESHOLD`` starts at 128 KiB and only rises; 64 KiB covers a process that lowers
+it, as the allocator's-edge check does). Such a buffer takes up to a page more than it asked
+for, and the resident memory the kernel counts includes it."""
+
+
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
+    mapped_buffers: int = 0
+    """The most storages of at least :data:`MAPPED_BUFFER_BYTES` live at once."""
 
     @property
     def peak_bytes(self) -> int:
@@ -127,11 +136,12 @@ class Timeline:
 class _Storages:
     """Reference-counted storages and the running total of live bytes."""
 
-    __slots__ = ("grad_live", "live", "refs", "size")
+    __slots__ = ("grad_live", "live", "mapped", "mapped_peak", "refs", "size")
 
     def __init__(self) -> None:
         self.live = 0
         self.grad_live = 0  # of which gradients (of values and of parameters)
+        self.mapped = self.mapped_peak = 0  # storages of MAPPED_BUFFER_BYTES or more
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
 
@@ -142,6 +152,9 @@ class _Storages:
         self.live += nbytes
         if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live += nbytes
+        if nbytes >= MAPPED_BUFFER_BYTES:
+            self.mapped += 1
+            self.mapped_peak = max(self.mapped_peak, self.mapped)
 
     def _free(self, key: object) -> None:
         del self.refs[key]
@@ -149,6 +162,8 @@ class _Storages:
         self.live -= nbytes
         if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live -= nbytes
+        if nbytes >= MAPPED_BUFFER_BYTES:
+            self.mapped -= 1
 
     def is_live(self, key: object) -> bool:
         return key in self.refs
@@ -370,6 +385,7 @@ class StepSimulation:
                 for o in self.outputs:
                     self.mem.release(self._val(o))
                 self.timeline.events[-1].live_bytes = self.mem.live
+        self.timeline.mapped_buffers = self.mem.mapped_peak
         return self.timeline
 
     # ---- per-vertex data -------------------------------------------------------------------
