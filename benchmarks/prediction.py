@@ -139,6 +139,8 @@ def report(results: Path, tags: list[str] | None = None) -> int:
     from benchmarks.render import (
         EXTRA_TARGET_POINTS,
         PEAK_TARGET_PCT,
+        edge_against_budgets,
+        edge_sentence,
         load,
         measured_plans,
         prediction_errors,
@@ -156,7 +158,7 @@ def report(results: Path, tags: list[str] | None = None) -> int:
         first = records[0]
         print(f"== {tag_dir.name}: {first['machine']}, torch {first['torch']}, {first['date']}, "
               f"commit {first['commit']}")
-        header = (f"{'model':<12} {'plan':<58} {'peak MiB':>9} {'pred.':>8} {'error':>7} "
+        header = (f"{'model':<12} {'plan':<58} {'peak MiB':>9} {'edge':>8} {'pred.':>8} {'error':>7} "
                   f"{'extra':>6} {'pred.':>6} {'error':>8}")
         print(header)
         print("-" * len(header))
@@ -167,7 +169,8 @@ def report(results: Path, tags: list[str] | None = None) -> int:
                 if err is None:
                     continue
                 found = True
-                line = (f"{record['model']:<12} {label[:58]:<58} {row['peak_bytes'] / mib:>9.1f} "
+                edge = f"{row['edge_peak_bytes'] / mib:.1f}" if row.get("edge_peak_bytes") else "-"
+                line = (f"{record['model']:<12} {label[:58]:<58} {row['peak_bytes'] / mib:>9.1f} {edge:>8} "
                         f"{row['predicted_peak_bytes'] / mib:>8.1f} {err['peak_error_pct']:>+6.1f}% "
                         f"{err['measured_extra_pct']:>+5.0f}% {err['predicted_extra_pct']:>+5.0f}% "
                         f"{err['extra_error_points']:>+5.0f} pts")
@@ -184,7 +187,10 @@ def report(results: Path, tags: list[str] | None = None) -> int:
             print(f"worst peak error: {e['peak_error_pct']:+.1f}% ({m}, {label})")
             print(f"worst extra-time error: {e2['extra_error_points']:+.0f} points ({m2}, {label2}: "
                   f"predicted {e2['predicted_extra_pct']:+.0f}%, measured {e2['measured_extra_pct']:+.0f}%)")
+            print(edge_sentence(records))
             if worst["peak_within"] < worst["plans"] or worst["extra_within"] < worst["plans"]:
+                status = 1
+            if edge_against_budgets(records)["over"]:
                 status = 1
     if not found:
         print("no measured plans with predictions found")

@@ -135,6 +135,38 @@ def measured_plans(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def budget_cells(record: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, row) of every accepted plan of ours with a budget: each row of the measured
+    table, equal-memory cell and largest-batch probe, a cell that reuses another's
+    measurement included (its budget is its own)."""
+    out = [(method_label(m), row) for m, row in record["rows"].items()
+           if "plan_line" in row and row.get("budget_bytes")]
+    for peer, cells in (record.get("equal_memory") or {}).items():
+        out += [(f"remat {solver} at the peak of {method_label(peer)}", row) for solver, row in cells.items()
+                if "plan_line" in row and row.get("budget_bytes")]
+    for method, entry in (record.get("largest_batch") or {}).items():
+        if isinstance(entry, dict):
+            out += [(f"{method_label(method)}, batch {b}, budget = cap", row)
+                    for b, row in (entry.get("rows") or {}).items()
+                    if isinstance(row, dict) and "plan_line" in row and row.get("budget_bytes")]
+    return out
+
+
+def edge_against_budgets(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every accepted plan's step at the allocator's edge against its budget: how many were
+    measured there, and (model, label, edge, budget) of each over it."""
+    checked, over = 0, []
+    for record in records:
+        for label, row in budget_cells(record):
+            edge = row.get("edge_peak_bytes")
+            if edge is None:
+                continue
+            checked += 1
+            if edge > row["budget_bytes"]:
+                over.append((record["model"], label, edge, row["budget_bytes"]))
+    return {"checked": checked, "over": over}
+
+
 def prediction_table(record: dict[str, Any]) -> list[str]:
     """Predicted against measured peak and extra time of every plan measured for the model."""
     plans = [(label, row, prediction_errors(row)) for label, row in measured_plans(record)]
@@ -183,8 +215,23 @@ def prediction_summary(tag: str, records: list[dict[str, Any]]) -> list[str]:
             f"{worst['peak_within']}, extra time within {EXTRA_TARGET_POINTS:.0f} points for "
             f"{worst['extra_within']}. Worst peak error: {e['peak_error_pct']:+.1f}% ({m}, {label}); "
             f"worst extra-time error: {e2['extra_error_points']:+.0f} points ({m2}, {label2}: predicted "
-            f"{e2['predicted_extra_pct']:+.0f}%, measured {e2['measured_extra_pct']:+.0f}%). Per plan: "
+            f"{e2['predicted_extra_pct']:+.0f}%, measured {e2['measured_extra_pct']:+.0f}%). "
+            f"{edge_sentence(records)} Per plan: "
             "each model's prediction table; `python benchmarks/prediction.py` prints them all."]
+
+
+def edge_sentence(records: list[dict[str, Any]]) -> str:
+    """How many accepted plans' steps were measured at the allocator's edge, and which went
+    over their budgets there."""
+    edge = edge_against_budgets(records)
+    if not edge["checked"]:
+        return "No plan was measured at the allocator's edge."
+    text = (f"At the allocator's edge, {edge['checked'] - len(edge['over'])} of the {edge['checked']} "
+            "accepted plans' steps (every budget a plan was chosen for) are within their budgets")
+    if not edge["over"]:
+        return text + "."
+    return text + "; over: " + "; ".join(f"{m}, {label}: {mib(e)} MiB against {mib(b)} MiB"
+                                         for m, label, e, b in edge["over"]) + "."
 
 
 # ---- the equal-memory comparison -----------------------------------------------------------

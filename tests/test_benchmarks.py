@@ -381,3 +381,21 @@ def test_a_compile_peak_read_eagerly_on_the_cpu_is_not_compared(tmp_path: Path) 
     assert render.EAGER_READING in "\n".join(render.measured_table(record))
     record["device"] = "cuda"  # the allocator's counters see compiled code
     assert render.equal_memory_findings([record])["not_comparable"] == []
+
+
+def test_every_accepted_plan_is_held_to_its_own_budget_at_the_edge() -> None:
+    """A plan chosen at two budgets is measured once; at the allocator's edge it is held to
+    each budget it was accepted for, the reused cell's included, and the one over is named."""
+    mib = 2**20
+    measured = {"plan_line": 0, "budget_bytes": 60 * mib, "predicted_peak_bytes": 50 * mib,
+                "peak_bytes": 50 * mib, "edge_peak_bytes": 55 * mib}
+    record = {"model": "m", "rows": {
+        "plain": {"peak_bytes": 100 * mib, "edge_peak_bytes": 101 * mib},
+        "remat:auto:60%": measured,
+        "remat:kusumoto-tc:52%": {**measured, "budget_bytes": 52 * mib, "same_plan_as": "remat:auto:60%"},
+        "remat:auto:25%": {"skipped": "infeasible", "budget_bytes": 25 * mib},
+    }, "equal_memory": {"checkpoint_sequential:2": {"auto": {**measured, "budget_bytes": 56 * mib}}}}
+    got = render.edge_against_budgets([record])
+    assert got["checked"] == 3
+    assert [(m, b) for m, _, _, b in got["over"]] == [("m", 52 * mib)]
+    assert "2 of the 3" in render.edge_sentence([record])
