@@ -124,8 +124,13 @@ def test_a_transformers_model_is_captured_by_export_and_planned_at_half_its_plai
 
     _step(plain, plain, call)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    # A value read by several ops (a tied embedding, T5's encoder output read by every
+    # cross-attention) sums its gradient in the order the backward reaches its readers, which
+    # recomputation can change: equal up to float rounding (docs/limitations.md).
     for (key, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
-        assert p.grad is not None and torch.equal(p.grad, q.grad), key
+        assert p.grad is not None, key
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * float(q.grad.abs().max()),
+                                   msg=lambda text, key=key: f"{key}: {text}")
     for (key, b), (_, c) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.equal(b, c), key
     out = remat_model(**call)  # the model's own output type, as the plain model returns

@@ -11,10 +11,10 @@ import mmap
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
 from lightning_remat.solvers.schedule import Schedule, make_schedule
-from lightning_remat.solvers.simulate import MAPPED_BUFFER_BYTES, simulate
+from lightning_remat.solvers.simulate import simulate
 
 __all__ = [
-    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "MAPPED_BUFFER_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds",
+    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "SMALL_TENSOR_BYTES", "executor_seconds",
     "expandable_segments", "make_plan", "model_margin",
     "plain_plan", "recomputed_seconds", "solve_plain", "stage_overhead_seconds",
 ]
@@ -97,7 +97,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` per
     vertex and a page for each buffer the C library may map on its own that can be live
-    at once (``simulate.MAPPED_BUFFER_BYTES``). A graph no profile measured (no
+    at once (``simulate.mapped_buffer_bytes``). A graph no profile measured (no
     ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
     measured_excess = int(graph.meta.measured_excess_bytes or 0)
@@ -116,9 +116,9 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
 
 def _mapped_buffers(graph: Graph) -> int:
     """How many buffers the C library may map on its own pages a CPU step holds at once:
-    the most storages of at least ``MAPPED_BUFFER_BYTES`` live at once in the plain step
-    (a plan holds no more of them: it frees what it recomputes), and one op's forward and
-    backward scratch."""
+    the most storages of at least ``simulate.mapped_buffer_bytes()`` live at once in the
+    plain step (a plan holds no more of them: it frees what it recomputes), and one op's
+    forward and backward scratch."""
     return simulate(graph).mapped_buffers + 2
 
 

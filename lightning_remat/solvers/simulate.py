@@ -112,18 +112,23 @@ class Event:
     stage: int
 
 
-MAPPED_BUFFER_BYTES = 64 * 2**10
-"""On the CPU, the smallest buffer the C library may map on its own pages (glibc's
-``M_MMAP_THRESHOLD`` starts at 128 KiB and only rises; 64 KiB covers a process that lowers
-it, as the allocator's-edge check does). Such a buffer takes up to a page more than it asked
-for, and the resident memory the kernel counts includes it."""
+def mapped_buffer_bytes() -> int:
+    """On the CPU, the smallest buffer the C library maps on pages of its own: glibc's
+    ``M_MMAP_THRESHOLD``, 128 KiB unless the process was started with
+    ``MALLOC_MMAP_THRESHOLD_`` (the allocator's-edge check starts its children at 64 KiB; the
+    threshold glibc adjusts by itself only rises). Such a buffer takes up to a page more
+    than it asked for, and the resident memory the kernel counts includes it."""
+    import os
+
+    value = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return int(value) if value.isdigit() else 128 * 2**10
 
 
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
     mapped_buffers: int = 0
-    """The most storages of at least :data:`MAPPED_BUFFER_BYTES` live at once."""
+    """The most storages of at least :func:`mapped_buffer_bytes` live at once."""
 
     @property
     def peak_bytes(self) -> int:
@@ -136,12 +141,13 @@ class Timeline:
 class _Storages:
     """Reference-counted storages and the running total of live bytes."""
 
-    __slots__ = ("grad_live", "live", "mapped", "mapped_peak", "refs", "size")
+    __slots__ = ("grad_live", "live", "mapped", "mapped_peak", "refs", "size", "threshold")
 
     def __init__(self) -> None:
         self.live = 0
         self.grad_live = 0  # of which gradients (of values and of parameters)
-        self.mapped = self.mapped_peak = 0  # storages of MAPPED_BUFFER_BYTES or more
+        self.mapped = self.mapped_peak = 0  # storages the C library maps on their own pages
+        self.threshold = mapped_buffer_bytes()
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
 
@@ -152,7 +158,7 @@ class _Storages:
         self.live += nbytes
         if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live += nbytes
-        if nbytes >= MAPPED_BUFFER_BYTES:
+        if nbytes >= self.threshold:
             self.mapped += 1
             self.mapped_peak = max(self.mapped_peak, self.mapped)
 
@@ -162,7 +168,7 @@ class _Storages:
         self.live -= nbytes
         if key[0] in _GRADIENT_KINDS:  # type: ignore[index]
             self.grad_live -= nbytes
-        if nbytes >= MAPPED_BUFFER_BYTES:
+        if nbytes >= self.threshold:
             self.mapped -= 1
 
     def is_live(self, key: object) -> bool:
