@@ -549,22 +549,48 @@ class Widths(nn.Module):
         return self.head(torch.flatten(self.body(x), 1))
 
 
-@pytest.mark.parametrize("cuts", [["body_2", "body_9"], ["body_4", "body_6", "body_13"], ["body_7"]])
-def test_the_backward_runs_again_exactly_the_plans_recompute_set(cuts: list[str]) -> None:
+class TrailingConvs(nn.Module):
+    """Two convolutions of one value, added: the stage ending at the add has as its last
+    saving op a convolution that saves only its input (distinct kernel sizes tell the two
+    apart by their weights' shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.relu = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()
+        self.conv2, self.conv3 = nn.Conv2d(4, 5, 3, padding=1), nn.Conv2d(4, 5, 1)
+        self.head = nn.Conv2d(5, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.conv1(x))
+        return self.head(self.conv2(h) + self.conv3(h))
+
+
+@pytest.mark.parametrize(("make", "cuts"), [
+    (Widths, ["body_2", "body_9"]), (Widths, ["body_4", "body_6", "body_13"]), (Widths, ["body_7"]),
+    (TrailingConvs, ["head"])])
+def test_the_backward_runs_again_exactly_the_plans_recompute_set(make: type[nn.Module], cuts: list[str]) -> None:
     """Only Vi \\ B(Li) of each recomputed stage runs again in the backward (Kusumoto et al.
-    2019, eq. 1): the forward ops seen during loss.backward() are exactly those of the
-    vertices the schedule's ``recomputed`` names, stage by stage."""
+    2019, eq. 1), up to the stage's last saving op (checkpoint stops there; a convolution
+    there saves its input and stops before it computes): the forward ops seen during
+    loss.backward() are exactly those of the vertices the schedule's ``recomputed`` names,
+    stage by stage."""
+    from lightning_remat.graph.profile import profile_module
     from lightning_remat.solvers.schedule import make_schedule
 
     torch.manual_seed(0)
-    model = Widths()
+    model = make()
     x = torch.randn(2, 3, 6, 6)
     traced = trace_module(model, (x,))
-    ids = traced.graph.ids
-    plan = cut_plan(traced.graph, cuts, ["recompute"] * len(cuts) + ["keep"])
-    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
-    recomputed = make_schedule(traced.graph, plan).recomputed
+    # The profile says what each op saves, and so where each recomputation stops.
+    graph = profile_module(model, (x,), traced=traced, repeats=1)
+    ids = graph.ids
+    plan = cut_plan(graph, cuts, ["recompute"] * len(cuts) + ["keep"])
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    schedule = make_schedule(graph, plan)
+    recomputed = schedule.recomputed
     assert any(recomputed) and all(len(r) < len(s.nodes) for r, s in zip(recomputed, plan.stages) if s.action == "recompute")
+    if make is TrailingConvs:
+        assert schedule.stages[0].packed_only == "conv3" and recomputed[0] == ("conv1", "relu", "conv2")
 
     # The forward ops of each vertex, from a plain forward node by node.
     per_vertex: dict[str, collections.Counter] = {}

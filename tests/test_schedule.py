@@ -265,7 +265,16 @@ def test_the_schedule_is_the_plan_compiled_once() -> None:
                 continue
             saves = any(graph[v].saved or (graph.meta.saved_refs or {}).get(v) for v in stage.vertices)
             assert stage.runs_again == saves
-            assert set(stage.kept) | set(stage.recomputed) == (set(stage.vertices) if saves else set(stage.kept))
+            # The recomputation reaches up to the stage's last saving op (checkpoint stops
+            # there): what it reaches is kept, run again or, the last, packed only.
+            refs = graph.meta.saved_refs or {}
+            savers = [v for v in stage.vertices if graph[v].saved or refs.get(v)]
+            assert stage.reached == (stage.vertices[:stage.vertices.index(savers[-1]) + 1] if saves else ())
+            packed = {stage.packed_only} - {None}
+            assert (set(stage.kept) & set(stage.reached)) | set(stage.recomputed) | packed == set(stage.reached)
+            if stage.packed_only:
+                assert stage.packed_only == stage.reached[-1]
+                assert set(refs.get(stage.packed_only, ())) <= set(graph.predecessors(stage.packed_only))
             for v in stage.kept:
                 assert v not in random_ops
                 assert v not in inplace or v in stage.rewritten

@@ -108,6 +108,32 @@ def test_recompute_plan_lowers_the_peak_to_the_hand_computed_figure():
     assert plan.predicted_extra_seconds == 2.0  # t_fwd of v0 and v1, not of the kept v2
 
 
+def test_a_recomputation_stops_where_the_stage_saved_its_last_tensor():
+    """torch's non-reentrant checkpoint stops recomputing once the stage's saved tensors are
+    all back: ops after the stage's last saving op never run again, and when that op saves
+    only its input (a convolution) it computes nothing, its workspace never taken."""
+    from lightning_remat.solvers.schedule import make_schedule
+
+    # v0 (saves its output) -> v1 (saves v0) -> v2 (saves v1; workspace 50) -> v3 (saves
+    # nothing; the boundary) | v4 (keep).
+    nodes = [Node("v0", "relu", mem=10, saved=10, t_fwd=1.0), Node("v1", "conv", mem=10, saved=10, t_fwd=1.0),
+             Node("v2", "conv", mem=10, saved=10, ws_fwd=50, t_fwd=1.0), Node("v3", "add", mem=10, t_fwd=1.0),
+             Node("v4", "conv", mem=1, saved=10)]
+    g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3"), ("v3", "v4")],
+              {"saved_refs": {"v0": ["v0"], "v1": ["v0"], "v2": ["v1"], "v4": ["v3"]}, "outputs": ["v4"]})
+    plan = make_plan(g, [(["v0", "v1", "v2", "v3"], "recompute"), (["v4"], "keep")], "t")
+    stage = make_schedule(g, plan).stages[0]
+    assert stage.kept == {"v3"} and stage.packed_only == "v2" and stage.recomputed == ("v0", "v1")
+    t = simulate(g, plan)
+    # Before: v3 (kept, 10) and the gradient v4 hands it (10). v0 runs (+10), v1 (+10);
+    # v2 saves v1 again and stops: nothing allocated, no workspace. v3 is not reached: the
+    # kept value goes with the recomputation's frame.
+    assert phases(t, "recompute") == [("v0", 30, 30), ("v1", 40, 40), ("v2", 30, 40)]
+    assert t.peak_bytes == plan.predicted_peak_bytes < 40 + 10 + 50
+    assert plan.predicted_extra_seconds == 2.0  # v0 and v1 ran again, v2 did not compute
+    assert t.events[-1].live_bytes == 0
+
+
 def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():
     # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep); nothing saved, so what stays live
     # between forward and backward is only what the checkpoint keeps: its input v0 and its

@@ -18,7 +18,13 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
   random op draws nothing in the recomputation, which would shift the stage's later draws)
   and in-place ops left in place (their result is the tensor they modified).
 - **recomputed**: the rest of a recomputed stage, ``Vi \\ B(Li)``, run again in the
-  backward in forward order.
+  backward in forward order, up to the stage's last op that saves anything for the
+  backward: torch's non-reentrant checkpoint stops the recomputation (``early_stop``) when
+  that op has saved what the forward's saved, and the ops after it never run again. An op
+  saves its inputs before it computes and its outputs after, so when that last op saves
+  only what it reads (a convolution, a linear layer) it computes nothing either
+  (**packed only**): its inputs are saved again, and the stage's other values go with the
+  recomputation's frame.
 - **offloaded**: an offloaded stage's saved state leaves the device when its forward ends
   and comes back when its backward starts.
 - A recomputed stage none of whose ops saves anything for the backward (adds,
@@ -78,6 +84,10 @@ class ScheduleParts:
     sharing: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """Vertex -> every vertex whose output lives in its storage (views of one tensor and
     in-place results on it, as the profile names them), in order; absent: its own alone."""
+    saves_inputs_only: frozenset[str] = frozenset()
+    """Saving vertices whose op saves only values it reads (predecessors' storages, step
+    inputs), nothing it makes: saved before it computes. Where the profile does not say
+    (no ``saved_refs``), none."""
 
     @classmethod
     def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
@@ -103,7 +113,8 @@ class ScheduleParts:
                    for v in ordered}
         return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
                    frozenset(outputs), frozenset(meta.input_consumers or ()),
-                   position, saving, meta.random is not None, sharing)
+                   position, saving, meta.random is not None, sharing,
+                   _saves_inputs_only(graph, saving))
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ class StageSchedule:
     kept: frozenset[str] = frozenset()
     """For a recomputed stage: the values kept from the forward, not run again."""
     recomputed: tuple[str, ...] = ()
-    """For a recomputed stage: the vertices run again in the backward, in forward order."""
+    """For a recomputed stage: the vertices run again in the backward, in forward order
+    (the recomputation stops at the stage's last saving op: none after it)."""
     rewritten: frozenset[str] = frozenset()
     """The stage's in-place ops that run out of place."""
     runs_again: bool = False
@@ -127,6 +139,12 @@ class StageSchedule:
     """For a recomputed stage: whether an op it runs again draws random numbers, so that
     checkpoint must stash the generator's state for the recomputation to draw the same
     (``preserve_rng_state``). True where the tracer did not record which ops draw."""
+    packed_only: str | None = None
+    """For a recomputed stage: its last saving op when that op saves only what it reads and
+    is not kept: the recomputation saves its inputs again and stops before it computes."""
+    reached: tuple[str, ...] = ()
+    """For a recomputed stage that runs again: its vertices up to its last saving op, in
+    order (kept ones handed on, the others run again or, the last, packed only)."""
 
     @property
     def offloaded(self) -> bool:
@@ -183,7 +201,7 @@ class Schedule:
         for k in range(len(self.stages) - 1, -1, -1):
             stage = self.stages[k]
             if stage.action == "recompute" and stage.runs_again:
-                for v in stage.vertices:
+                for v in stage.reached:
                     yield Step("hand_on" if v in stage.kept else "recompute", k, v)
             elif stage.offloaded:
                 yield Step("restore", k)
@@ -205,7 +223,8 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
     actions = [s.action for s in plan.stages]
     if whole_stages:
         return Schedule(tuple(
-            StageSchedule(a, vs, recomputed=vs if a == "recompute" else (), runs_again=a == "recompute")
+            StageSchedule(a, vs, recomputed=vs if a == "recompute" else (), runs_again=a == "recompute",
+                          reached=vs if a == "recompute" else ())
             for a, vs in zip(actions, ordered)), whole_stages=True)
     stage_of = {v: k for k, vs in enumerate(ordered) for v in vs}
     rewritten = _rewritten(parts, stage_of, actions)
@@ -221,13 +240,43 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             and v not in parts.random
             and (v in rewritten or v not in parts.inplace)
         )
-        runs_again = any(v in parts.saving for v in vertices)
-        recomputed = tuple(v for v in vertices if v not in kept) if runs_again else ()
+        savers = [i for i, v in enumerate(vertices) if v in parts.saving]
+        runs_again = bool(savers)
+        reached = vertices[:savers[-1] + 1] if savers else ()
+        packed_only = (reached[-1] if reached and reached[-1] not in kept
+                       and reached[-1] in parts.saves_inputs_only else None)
+        recomputed = tuple(v for v in reached if v not in kept and v != packed_only)
         stages.append(StageSchedule(
             "recompute", vertices, kept, recomputed,
             frozenset(v for v in vertices if v in rewritten), runs_again,
-            not parts.random_recorded or any(v in parts.random for v in recomputed)))
+            not parts.random_recorded or any(v in parts.random for v in recomputed), packed_only, reached))
     return Schedule(tuple(stages))
+
+
+def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
+    """The saving vertices whose op saves only storages it reads (``ScheduleParts``): every
+    ``saved_refs`` entry a predecessor's value in another storage than its own output, and
+    no saved bytes besides those and the step inputs it saves."""
+    meta = graph.meta
+    if meta.saved_refs is None:
+        return frozenset()
+    aliases = meta.aliases or {}
+
+    def root(v: str) -> str:
+        while v in aliases:
+            v = aliases[v]
+        return v
+
+    found = set()
+    for v in saving:
+        refs = set(meta.saved_refs.get(v, ()))
+        preds = set(graph.predecessors(v))
+        if not refs <= preds or any(root(r) == root(v) for r in refs):
+            continue
+        referenced = sum(graph[r].mem for r in refs) + int((meta.saved_input_bytes or {}).get(v, 0))
+        if graph[v].saved <= referenced:
+            found.add(v)
+    return frozenset(found)
 
 
 def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str]) -> set[str]:

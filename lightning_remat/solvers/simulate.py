@@ -85,7 +85,13 @@ from typing import Any
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS, VIEW_OPS
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.schedule import Schedule, ScheduleParts, data_edges, make_schedule
+from lightning_remat.solvers.schedule import (
+    Schedule,
+    ScheduleParts,
+    StageSchedule,
+    data_edges,
+    make_schedule,
+)
 
 
 def _adjacency(graph: Graph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
@@ -693,13 +699,46 @@ class StepSimulation:
         if stash:
             # fork_rng's copy of the generator's state, for the recomputation's length.
             self.mem.alloc(fork, stash, 1)
-        for v in stage:
+        schedule = self.schedule.stages[k]
+        for v in schedule.reached:
             saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
                          for r in self.saved_refs[v] if stage_of[r] == k}
-            self._recompute_op(k, v, rkey, re_refs, saved_key)
+            if v == schedule.packed_only:
+                self._save_for_backward(v, [saved_key[r] if stage_of[r] == k else ("val", base[r])
+                                            for r in self.saved_refs[v]])
+                self.timeline.events.append(Event("recompute", v, self.mem.live, self.mem.live, k))
+            else:
+                self._recompute_op(k, v, rkey, re_refs, saved_key)
+        self._stop_recomputation(k, schedule, rkey)
         if stash:
             self.mem.release(fork)
             self.timeline.events[-1].live_bytes = self.mem.live
+
+    def _stop_recomputation(self, k: int, schedule: StageSchedule, rkey: dict[str, object]) -> None:
+        """The recomputation stopped at the stage's last saving op (``Schedule``): the ops
+        after it, and a packed-only one, never read what they would have read, so those
+        references go with the recomputation's frame, and kept values no op reached are
+        never handed on."""
+        if len(schedule.reached) == len(schedule.vertices) and schedule.packed_only is None:
+            return
+        mem, base, stage_of = self.mem, self.base, self.stage_of
+        done = set(schedule.reached) - {schedule.packed_only}
+        for w in schedule.vertices:
+            if w in done:
+                continue
+            if w in self.kept_held:
+                mem.release(self.kept_held.pop(w))
+            for u in self.pred[w]:
+                # Its read of u was counted on u's storage when u was handed on (kept) or
+                # when the storage u lives in was recomputed.
+                bu = base[u]
+                if bu != base[w] and stage_of[bu] == k and (u if u in schedule.kept else bu) in done:
+                    mem.release(rkey[u])
+            bw = base[w]
+            if bw != w and w not in schedule.kept and stage_of[bw] == k and bw in done:
+                mem.release(rkey[w])
+        if self.timeline.events:
+            self.timeline.events[-1].live_bytes = mem.live
 
     def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
                       re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
