@@ -102,8 +102,10 @@ def test_recompute_plan_lowers_the_peak_to_the_hand_computed_figure():
     # boundary, kept with its saved block (20 from v2 on).
     assert phases(t, "forward")[:3] == [("v0", 10, 20), ("v1", 10, 30), ("v2", 20, 30)]
     # Only v0 and v1 run again (v2 is kept): 30 live before (v2, its block, v2's
-    # gradient), v0 (+20), v1 (+20, v0's value gone when v1 has read it): 60.
-    assert phases(t, "recompute") == [("v0", 50, 50), ("v1", 60, 70), ("v2", 40, 40)]
+    # gradient), v0 (+20), v1 (+20, v0's value gone when v1 has read it): 60. v2 is handed
+    # on and v1, read, goes (50); the recomputation ends, and with it the hold its frame had
+    # on v2, which nothing in the stage saved: 40.
+    assert phases(t, "recompute") == [("v0", 50, 50), ("v1", 60, 70), ("v2", 40, 50)]
     assert t.peak_bytes == plan.predicted_peak_bytes == 70 < plain.peak_bytes
     assert plan.predicted_extra_seconds == 2.0  # t_fwd of v0 and v1, not of the kept v2
 
@@ -132,6 +134,32 @@ def test_a_recomputation_stops_where_the_stage_saved_its_last_tensor():
     assert t.peak_bytes == plan.predicted_peak_bytes < 40 + 10 + 50
     assert plan.predicted_extra_seconds == 2.0  # v0 and v1 ran again, v2 did not compute
     assert t.events[-1].live_bytes == 0
+
+
+def test_a_recomputed_stage_holds_its_kept_boundary_until_its_recomputation_ends():
+    """A stage's program returns its boundary values, so a recomputation holds each kept
+    value it hands on until it ends, after its last reader in the stage has run."""
+    nodes = [Node("v0", "op", mem=10), Node("v1", "op", mem=10), Node("v2", "relu", mem=10, saved=10),
+             Node("v3", "add", mem=1)]
+    g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v0", "v3"), ("v2", "v3")],
+              {"saved_refs": {"v2": ["v2"]}, "outputs": ["v3"]})
+    plan = make_plan(g, [(["v0", "v1", "v2"], "recompute"), (["v3"], "keep")], "t")
+    t = simulate(g, plan)
+    # Before: v0 and v2 (kept, 10 each) and the gradient v3 passes on (1). v1 runs again
+    # (+10) and has read v0, which the frame still holds: 31. v2 is handed on, v1 (read)
+    # goes; then the frame ends and v0 with it: v2 (held by what it saved) and the gradient.
+    assert phases(t, "recompute") == [("v0", 21, 21), ("v1", 31, 31), ("v2", 11, 21)]
+
+
+def test_a_gradient_added_into_a_broadcast_one_takes_a_buffer_of_its_own():
+    """A sum's gradient is one element expanded (no bytes): the first full gradient added
+    into it cannot be added in place, and the sum is a new buffer."""
+    g = Graph([Node("v0", "op", mem=10), Node("v1", "mul", mem=10)], [("v0", "v1")],
+              {"saved_refs": {}, "outputs": ["v0", "v1"], "output_grad_bytes": 0})
+    t = simulate(g)
+    # v1's backward: v0's gradient from v1 (10) is summed with the broadcast one into a new
+    # buffer (10): 20 at the add, 10 after it.
+    assert phases(t, "backward") == [("v1", 10, 20), ("v0", 0, 10)]
 
 
 def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():

@@ -255,8 +255,8 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
 
 def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
     """The saving vertices whose op saves only storages it reads (``ScheduleParts``): every
-    ``saved_refs`` entry a predecessor's value in another storage than its own output, and
-    no saved bytes besides those and the step inputs it saves."""
+    ``saved_refs`` entry the storage of a value it reads, not of its own output, and no
+    saved bytes besides those and the step inputs it saves."""
     meta = graph.meta
     if meta.saved_refs is None:
         return frozenset()
@@ -269,9 +269,11 @@ def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
 
     found = set()
     for v in saving:
+        # The profile names a saved storage by its first owner: a view the op reads is
+        # saved as the value it views.
         refs = set(meta.saved_refs.get(v, ()))
-        preds = set(graph.predecessors(v))
-        if not refs <= preds or any(root(r) == root(v) for r in refs):
+        read = {root(u) for u in graph.predecessors(v)}
+        if not {root(r) for r in refs} <= read or any(root(r) == root(v) for r in refs):
             continue
         referenced = sum(graph[r].mem for r in refs) + int((meta.saved_input_bytes or {}).get(v, 0))
         if graph[v].saved <= referenced:

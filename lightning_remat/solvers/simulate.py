@@ -329,6 +329,7 @@ class StepSimulation:
         # A recomputed stage's kept boundary values: the storage each holds, until its
         # recomputation hands them on.
         self.kept_held: dict[str, object] = {}
+        self.frame_kept: list[object] = []  # kept values a running recomputation handed on
         self.kept_bytes = [0] * len(self.stages)  # what each stage adds to the cache
         # Per vertex: gradients (of values and parameters) and transients at its backward's
         # peak; the same under every plan (the backward runs in one order).
@@ -709,19 +710,25 @@ class StepSimulation:
                 self.timeline.events.append(Event("recompute", v, self.mem.live, self.mem.live, k))
             else:
                 self._recompute_op(k, v, rkey, re_refs, saved_key)
-        self._stop_recomputation(k, schedule, rkey)
+        self._end_recomputation(k, schedule, rkey)
         if stash:
             self.mem.release(fork)
             self.timeline.events[-1].live_bytes = self.mem.live
 
-    def _stop_recomputation(self, k: int, schedule: StageSchedule, rkey: dict[str, object]) -> None:
-        """The recomputation stopped at the stage's last saving op (``Schedule``): the ops
-        after it, and a packed-only one, never read what they would have read, so those
-        references go with the recomputation's frame, and kept values no op reached are
+    def _end_recomputation(self, k: int, schedule: StageSchedule, rkey: dict[str, object]) -> None:
+        """The recomputation ends, at the stage's last saving op (``Schedule``), and its
+        frame goes: the kept values it handed on (the program's return value), and, where
+        it stopped early, the references the ops after that one, and a packed-only one,
+        would have released when they read their inputs. Kept values no op reached are
         never handed on."""
-        if len(schedule.reached) == len(schedule.vertices) and schedule.packed_only is None:
-            return
         mem, base, stage_of = self.mem, self.base, self.stage_of
+        for key in self.frame_kept:
+            mem.release(key)
+        self.frame_kept = []
+        if len(schedule.reached) == len(schedule.vertices) and schedule.packed_only is None:
+            if self.timeline.events:
+                self.timeline.events[-1].live_bytes = mem.live
+            return
         done = set(schedule.reached) - {schedule.packed_only}
         for w in schedule.vertices:
             if w in done:
@@ -770,7 +777,7 @@ class StepSimulation:
                       re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
         """A kept boundary op does not run again: its kept outputs become the recomputed
         stage's (held by its readers in the stage and by what its own backward saves), and
-        the checkpoint's own reference goes."""
+        the checkpoint's own reference goes to the recomputation's frame."""
         mem = self.mem
         key = self.kept_held.pop(v)
         for _ in range(re_refs[v]):
@@ -786,7 +793,9 @@ class StepSimulation:
         for u in self.pred[v]:
             if self.stage_of[self.base[u]] == k and self.base[u] != self.base[v]:
                 mem.release(rkey[u])
-        mem.release(key)
+        # The stage's program returns its boundary: it holds the value until the
+        # recomputation ends (``_end_recomputation``).
+        self.frame_kept.append(key)
         self.timeline.events.append(Event("recompute", v, mem.live, mem.live, k))
 
     def _restore_stage(self, k: int) -> None:
@@ -871,8 +880,9 @@ class StepSimulation:
             self.grad_of[u] = incoming
             return 0
         mem = self.mem
-        if mem.refs[old] == 1 and incoming != old:
-            # In-place accumulation into the sole owner.
+        if mem.refs[old] == 1 and incoming != old and mem.size[old] >= mem.size[incoming]:
+            # In-place accumulation into the sole owner (not into a broadcast one: a sum's
+            # gradient, expanded from one element, is summed into a buffer of its own).
             transient = mem.size[incoming] if mem.refs[incoming] == 1 else 0
             mem.release(incoming)
             return transient
