@@ -29,6 +29,7 @@ the study's layout and the trial records, so they stay in one module.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -354,13 +355,22 @@ def predict_largest_by_projection(least_at: Callable[[int], tuple[int, Callable[
             lambda size: known[size] if size in known else least_at(size)[0], budget, init_val,
             max_val, granularity, max_evaluations - 1)
     fit = init_val
+    # How much the last plan's projection overstated the next size's smallest budget, per
+    # size: a plan made for a smaller batch keeps what a larger one could recompute, so its
+    # projection grows a little faster than the best plan's, and the next plan's will too.
+    # Taken off the projections, it saves walking up one size per evaluation.
+    overstated = 0.0
+
+    def projected(size: int) -> float:
+        return math.floor(peak(size) - overstated * (size - fit))
+
     while len(known) < max_evaluations:
         lo, hi = fit, max_val + 1  # the latest plan fits at ``fit``: bisect above it
-        if peak(max_val) <= budget:
+        if projected(max_val) <= budget:
             lo = max_val
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if peak(mid) <= budget:
+            if projected(mid) <= budget:
                 lo = mid
             else:
                 hi = mid
@@ -373,6 +383,7 @@ def predict_largest_by_projection(least_at: Callable[[int], tuple[int, Callable[
         candidate = evaluate(lo)
         if known[lo] > budget:
             break
+        overstated = max((peak(lo) - known[lo]) / (lo - fit), 0.0)
         fit, peak = lo, candidate
     failing = [s for s, m in known.items() if m > budget and s > fit]
     if not failing or min(failing) - fit <= granularity or len(known) >= max_evaluations:
