@@ -56,6 +56,10 @@ class AllocationLog:
     def __init__(self) -> None:
         self.levels: list[int] = []
         self.peaks: list[int] = []
+        self.mapped_levels: list[int] = []
+        """Like ``levels`` and ``peaks``, counting the live allocations the C library maps
+        on pages of their own (``simulate.mapped_buffer_bytes`` and over)."""
+        self.mapped_peaks: list[int] = []
         self.live = 0
         self.peak = 0
         self._count = 0
@@ -112,6 +116,12 @@ class AllocationLog:
         peak = max(self.peaks[start + 1:end + 1], default=self.levels[start])
         return self.levels[start], max(peak, self.levels[start]), self.levels[end]
 
+    def mapped_window(self, start: int, end: int) -> int:
+        """The most mapped allocations live at once from mark ``start`` to ``end``, above
+        the count at ``start``."""
+        peak = max(self.mapped_peaks[start + 1:end + 1], default=0)
+        return max(peak - self.mapped_levels[start], 0)
+
     def _collect(self, threads: list[list[Any]]) -> None:
         for events in threads:  # each thread's events in the order they happened
             for event in events:
@@ -127,19 +137,31 @@ class AllocationLog:
         # pauses, and those of logs run inside this one, join into one series by time.
         allocations = sorted(self._allocations, key=lambda a: a[0])  # stable: one thread's order
         marks = sorted(self._marks)
+        from lightning_remat.solvers.simulate import mapped_buffer_bytes
+
+        threshold = mapped_buffer_bytes()
         base = 0
         level = peak = base
+        mapped = mapped_peak = 0
         self.levels = [0] * self._count
         self.peaks = [0] * self._count
+        self.mapped_levels = [0] * self._count
+        self.mapped_peaks = [0] * self._count
         k = 0
         for time, index in marks:
-            peak = level
+            peak, mapped_peak = level, mapped
             while k < len(allocations) and allocations[k][0] <= time:
-                level += allocations[k][1]
+                nbytes = allocations[k][1]
+                level += nbytes
                 peak = max(peak, level)
+                if abs(nbytes) >= threshold:
+                    mapped += 1 if nbytes > 0 else -1
+                    mapped_peak = max(mapped_peak, mapped)
                 k += 1
             self.levels[index] = level - base
             self.peaks[index] = peak - base
+            self.mapped_levels[index] = mapped
+            self.mapped_peaks[index] = mapped_peak
         self.live = self.levels[-1] if self.levels else 0
         self.peak = max(self.peaks, default=0)
 

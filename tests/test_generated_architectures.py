@@ -9,25 +9,21 @@ builds 2-d Linear models for the executor's op-for-op check; these are 4-d image
 
 For each model, at 50% and 75% of its measured plain peak (the base ``remat()`` takes a
 fraction of; the smallest feasible budget where that is refused), one step through the plan
-measured at the allocator's edge (``benchmarks.edge``: a child process whose every buffer is a
-mapping of its own, read through ``VmHWM``) is within the budget, its gradients and BatchNorm
-statistics equal the plain step's, and the plan's prediction is not below it by more than 3%.
-The same with oneDNN off (convolutions through im2col's column buffers); both settings share
-one child process. ``VmHWM`` is read from the kernel's per-CPU batched page counters, so it can
-miss up to 32 pages (128 KiB) per CPU the step ran on.
+measured at the allocator's edge (``benchmarks.edge``: a child process whose every buffer over
+64 KiB is a mapping of its own, the C library's free heap plugged first, read through
+``VmHWM``) is within the budget, the plan's prediction is within 3% of it, and its gradients
+and BatchNorm statistics equal the plain step's. The same with oneDNN off (convolutions
+through im2col's column buffers); both settings share one child process. ``VmHWM`` is read
+from the kernel's per-CPU batched page counters, so it can miss up to 32 pages (128 KiB) per
+CPU the step ran on.
 
-That the prediction is also within 3% *above* the edge is an expected failure, for these
-models' size: with peaks of 2 to 30 MB, what the edge reads depends on the C library's heap
-as much as on the step. glibc serves a buffer from a free heap chunk before it maps a new one
-whatever the mmap threshold, and tracing and profiling leave megabytes of free heap resident:
-a generated model's first 1 MB convolution output then grows resident memory by nothing
-(``mallinfo2`` shows it allocated), and the edge reads up to about 20% under the allocations,
-with ``MALLOC_PERTURB_`` (every allocated byte written) as without. Returning the free heap
-first (``malloc_trim(0)``) turns it the other way: what the step allocates besides tensors
-(autograd's nodes, Python objects, the heap's own pages), which the meter does not count, then
-needs pages of its own: the edge read 1.3 MB over both a 5.3 MB plan step and its plain step. On
-the benchmarks' models (hundreds of MB) the edge and the prediction agree within 2% (1.8% at worst).
-``REMAT_GENERATED_MODELS=N`` runs N models per setting instead of the CI's one.
+The models are sized (32 channels, 32x32 pixels, a batch of 32: plain peaks of 46 to 142 MB, plans' of 25 to 95 MB) so
+that what the step allocates besides tensors (autograd's nodes, Python objects, buffers under
+64 KiB that the heap serves), which neither the meter nor the prediction counts, is well
+under 3% of the peak: at a batch of 8 and 16x16 pixels (peaks of 2 to 6 MB) the edge read
+up to 11% off the meter with the heap plugged.
+CI runs models 1 and 2, which between them use every part (GELU inside attention; model 0 has no attention, no
+strided or transposed convolution); ``REMAT_GENERATED_MODELS=N`` runs models 0 to N - 1.
 """
 
 from __future__ import annotations
@@ -45,11 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-CHANNELS, SIDE, BATCH = 32, 16, 8
+CHANNELS, SIDE, BATCH = 32, 32, 32
 KINDS = ("conv", "grouped", "depthwise", "down_up", "bn_relu_", "concat", "skip", "attention",
          "shuffle", "buffer", "gelu")
 BINARY = ("concat", "skip")
-MODELS = int(os.environ.get("REMAT_GENERATED_MODELS", "1"))
+SEEDS = (list(range(int(os.environ["REMAT_GENERATED_MODELS"]))) if os.environ.get("REMAT_GENERATED_MODELS")
+         else [1, 2])
 AGREE = 1e-5
 """Recomputed convolutions may take another oneDNN path: gradients agree to float32 rounding."""
 BUDGETS = ("50%", "75%")
@@ -224,8 +221,8 @@ def _run_child(seeds: list[int]) -> list[dict]:
 def measured() -> list[dict]:
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/status")
-    rows = _run_child(list(range(MODELS)))
-    assert len(rows) == 2 * MODELS * len(BUDGETS)
+    rows = _run_child(SEEDS)
+    assert len(rows) == 2 * len(SEEDS) * len(BUDGETS)
     assert any(r["recomputed"] for r in rows), "no plan recomputed anything: the check checked nothing"
     return rows
 
@@ -246,20 +243,9 @@ def test_plans_for_generated_models_hold_their_budget_at_the_allocators_edge(mea
 
 
 @pytest.mark.slow
-def test_predictions_for_generated_models_are_not_below_the_allocators_edge(measured: list[dict]) -> None:
-    """The prediction is what a budget is checked against: it may not read under the peak the
-    kernel counts by more than 3%."""
-    for r in measured:
-        assert r["predicted"] >= 0.97 * r["edge"], _where(r)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason="at a few MB the edge reads the C library's heap as much as the step: "
-                   "buffers served from free heap left resident by tracing and profiling grow resident "
-                   "memory by nothing (model 1 at 50% with oneDNN off: predicted 5,305,284 B, the meter "
-                   "5,305,288 B, the edge 4,325,376 B; the same with every allocated byte written)",
-                   strict=False)
 def test_predictions_for_generated_models_are_within_3_percent_of_the_allocators_edge(
         measured: list[dict]) -> None:
+    """The prediction is what a budget is checked against: it reads the peak the kernel
+    counts, within 3% either way."""
     for r in measured:
         assert abs(r["edge"] - r["predicted"]) <= 0.03 * r["edge"], _where(r)

@@ -463,3 +463,20 @@ def test_a_loss_that_keeps_the_outputs_alive_is_named() -> None:
         if enabled:
             gc.enable()
     assert graph.meta.loss_peak_bytes is not None and graph.meta.loss_peak_bytes > 0
+
+
+def test_the_profile_counts_the_mapped_buffers_one_op_holds_at_once():
+    """A grouped convolution through im2col (oneDNN off) computes each group into a buffer
+    of its own before joining them: with 8 groups of 128 KiB (the C library's default mmap
+    threshold, each mapped on pages of its own) the profile counts at least 8, which the
+    CPU margin gives a page each; the same convolution ungrouped holds one."""
+    from lightning_remat.solvers.scoring import model_margin
+
+    counts, margins = {}, {}
+    for groups in (8, 1):
+        with torch.backends.mkldnn.flags(enabled=False):
+            model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=groups), nn.ReLU())
+            graph = profile_module(model, torch.randn(32, 8, 32, 32), repeats=1)
+        counts[groups], margins[groups] = graph.meta.scratch_buffers, model_margin(graph)
+    assert counts[8] >= 8 > counts[1] >= 1
+    assert margins[8] - margins[1] >= 6 * 4096

@@ -130,6 +130,9 @@ class Workspace:
         self.meter = meter
         self.enabled = self.cuda or meter is not None
         self._windows: list[tuple[dict[str, int], str, int, int]] = []
+        self.scratch_buffers = 0
+        """CPU, under an allocation log: the most buffers the C library maps on their own
+        (``simulate.mapped_buffer_bytes`` and over) that one op allocated and held at once."""
 
     def start(self) -> int:
         if self.cuda:
@@ -163,6 +166,7 @@ class Workspace:
         for into, vid, start, end in self._windows:
             before, peak, after = self.meter.window(start, end)
             into[vid] = max(into[vid], peak - max(before, after))
+            self.scratch_buffers = max(self.scratch_buffers, self.meter.mapped_window(start, end))
         self._windows.clear()
 
 
@@ -181,6 +185,8 @@ class OpRecord:
     aliases: dict[str, str] = field(default_factory=dict)
     resident_views: set[str] = field(default_factory=set)
     requires_grad: dict[str, bool] = field(default_factory=dict)
+    scratch_buffers: int = 0
+    """CPU: the most mapped buffers one op held at once (``Workspace.scratch_buffers``)."""
     t_fwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     t_bwd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ws_fwd: dict[str, int] = field(default_factory=lambda: defaultdict(int))

@@ -74,7 +74,8 @@ offloading solvers' beta; and ``recompute_stage_seconds`` and ``recompute_vertex
 what the executor itself costs per recomputed stage and per vertex in one, over the
 recomputation (each measured once per device); and ``measured_excess_bytes``: what the
 first training step under a plan measured above its prediction (the model's margin covers
-it from then on). Keys are
+it from then on); and on the CPU ``scratch_buffers``: the most buffers the C library maps on
+their own pages that one op held at once. Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
 
@@ -319,6 +320,10 @@ class GraphMeta:
     measured_excess_bytes: int | None = None
     """What the first training step under a plan measured above its prediction, which the
     model's margin then covers (docs/design.md section 4.7)."""
+    scratch_buffers: int | None = None
+    """CPU: the most buffers the C library maps on pages of their own (its mmap threshold
+    and over) that one op allocated and held at once, its output and scratch (a grouped
+    convolution through im2col: one per group); each may take a page more than its size."""
     grads_resident: bool | None = None
     """Whether the parameters' gradients exist before the step, so are resident
     (``zero_grad(set_to_none=False)``; docs/design.md section 4.7)."""

@@ -307,6 +307,8 @@ def profile_module(
     meta.aliases = dict(first.aliases)
     meta.requires_grad = {vid: first.requires_grad.get(vid, False) for vid in traced.graph.ids}
     meta.resident_views = [vid for vid in traced.graph.ids if vid in first.resident_views]
+    if device.type != "cuda":
+        meta.scratch_buffers = first.scratch_buffers
     meta.safe = safe
     if safe:
         meta.step_seconds = sum(n.t_fwd + n.t_bwd for n in nodes)
@@ -458,6 +460,7 @@ def _profile_steps(make: Callable[..., tuple[OpMeter, Callable[[], Any]]], loss_
             profiler, _ = step(meter)
         profiler.workspace.settle()
         metered = profiler.record
+        metered.scratch_buffers = profiler.workspace.scratch_buffers
     timed: list[OpRecord] = []
     walls: list[float] = []
     while len(timed) < repeats:
@@ -482,4 +485,6 @@ def _profile_safe(make: Callable[..., tuple[OpMeter, Callable[[], Any]]],
         run()
     profiler.workspace.settle()
     _clear_grads(grad_holders)
+    for record in profiler.records:
+        record.scratch_buffers = profiler.workspace.scratch_buffers
     return profiler.records[warmup:]

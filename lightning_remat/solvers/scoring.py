@@ -117,9 +117,11 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
 def _mapped_buffers(graph: Graph) -> int:
     """How many buffers the C library may map on its own pages a CPU step holds at once:
     the most storages of at least ``simulate.mapped_buffer_bytes()`` live at once in the
-    plain step (a plan holds no more of them: it frees what it recomputes), and one op's
-    forward and backward scratch."""
-    return simulate(graph).mapped_buffers + 2
+    plain step (a plan holds no more of them: it frees what it recomputes), and those one
+    op allocates and holds at once, as the profile counted them (``meta.scratch_buffers``;
+    absent: one for its forward's scratch and one for its backward's)."""
+    scratch = graph.meta.scratch_buffers
+    return simulate(graph).mapped_buffers + (2 if scratch is None else max(int(scratch), 2))
 
 
 def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
