@@ -20,6 +20,7 @@ the storage accounting and the fallback between them, so they stay in one module
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -40,6 +41,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def mapped_buffer_bytes() -> int:
+    """On the CPU, the smallest buffer the C library maps on pages of its own: glibc's
+    ``M_MMAP_THRESHOLD``, 128 KiB unless the process was started with
+    ``MALLOC_MMAP_THRESHOLD_`` (the allocator's-edge check starts its children at 64 KiB; the
+    threshold glibc adjusts by itself only rises). Such a buffer takes up to a page more
+    than it asked for, and the resident memory the kernel counts includes it."""
+    value = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    return int(value) if value.isdigit() else 128 * 2**10
+
+
 class AllocationLog:
     """Every allocation and free c10's CPU allocator makes while entered, from the autograd
     profiler's memory events (``profile_memory=True``; c10 reports each with its size,
@@ -58,7 +69,7 @@ class AllocationLog:
         self.peaks: list[int] = []
         self.mapped_levels: list[int] = []
         """Like ``levels`` and ``peaks``, counting the live allocations the C library maps
-        on pages of their own (``simulate.mapped_buffer_bytes`` and over)."""
+        on pages of their own (:func:`mapped_buffer_bytes` and over)."""
         self.mapped_peaks: list[int] = []
         self.live = 0
         self.peak = 0
@@ -137,8 +148,6 @@ class AllocationLog:
         # pauses, and those of logs run inside this one, join into one series by time.
         allocations = sorted(self._allocations, key=lambda a: a[0])  # stable: one thread's order
         marks = sorted(self._marks)
-        from lightning_remat.solvers.simulate import mapped_buffer_bytes
-
         threshold = mapped_buffer_bytes()
         base = 0
         level = peak = base

@@ -132,7 +132,7 @@ class Workspace:
         self._windows: list[tuple[dict[str, int], str, int, int]] = []
         self.scratch_buffers = 0
         """CPU, under an allocation log: the most buffers the C library maps on their own
-        (``simulate.mapped_buffer_bytes`` and over) that one op allocated and held at once."""
+        (``meter.mapped_buffer_bytes`` and over) that one op allocated and held at once."""
 
     def start(self) -> int:
         if self.cuda:

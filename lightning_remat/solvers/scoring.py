@@ -97,7 +97,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` per
     vertex and a page for each buffer the C library may map on its own that can be live
-    at once (``simulate.mapped_buffer_bytes``). A graph no profile measured (no
+    at once (``meter.mapped_buffer_bytes``). A graph no profile measured (no
     ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
     measured_excess = int(graph.meta.measured_excess_bytes or 0)
@@ -116,7 +116,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
 
 def _mapped_buffers(graph: Graph) -> int:
     """How many buffers the C library may map on its own pages a CPU step holds at once:
-    the most storages of at least ``simulate.mapped_buffer_bytes()`` live at once in the
+    the most storages of at least ``meter.mapped_buffer_bytes()`` live at once in the
     plain step (a plan holds no more of them: it frees what it recomputes), and those one
     op allocates and holds at once, as the profile counted them (``meta.scratch_buffers``;
     absent: one for its forward's scratch and one for its backward's)."""

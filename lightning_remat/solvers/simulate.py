@@ -84,6 +84,7 @@ from typing import Any
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS, VIEW_OPS
+from lightning_remat.meter import mapped_buffer_bytes
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import (
     Schedule,
@@ -116,18 +117,6 @@ class Event:
     peak_bytes: int
     """Bytes live at the op's own peak (outputs and workspace allocated, nothing yet freed)."""
     stage: int
-
-
-def mapped_buffer_bytes() -> int:
-    """On the CPU, the smallest buffer the C library maps on pages of its own: glibc's
-    ``M_MMAP_THRESHOLD``, 128 KiB unless the process was started with
-    ``MALLOC_MMAP_THRESHOLD_`` (the allocator's-edge check starts its children at 64 KiB; the
-    threshold glibc adjusts by itself only rises). Such a buffer takes up to a page more
-    than it asked for, and the resident memory the kernel counts includes it."""
-    import os
-
-    value = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
-    return int(value) if value.isdigit() else 128 * 2**10
 
 
 @dataclass
