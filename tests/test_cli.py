@@ -72,3 +72,36 @@ def test_simulate_scores_each_plan_with_the_simulator_not_the_file(tmp_path, cap
     assert main(["simulate", "--graph", str(data), "--plans", str(lines)]) == 0
     first = capsys.readouterr().out.splitlines()[1]
     assert "peak 1" in first and "extra 123 s" in first and str(expected[0][0]) in first
+
+
+def test_help_loads_neither_torch_nor_lightning_and_lists_every_solver():
+    """`lightning-remat --help` in a fresh interpreter imports no torch or Lightning (it
+    answers in a fraction of a second), and the solver names it lists are the registry's."""
+    import subprocess
+    import sys
+
+    from lightning_remat.cli import SOLVER_NAMES
+    from lightning_remat.solvers import SOLVERS
+
+    assert sorted(SOLVER_NAMES) == sorted(SOLVERS)
+    probe = ("import sys\nfrom lightning_remat.cli import main\n"
+             "for argv in (['--help'], ['solve', '--help'], ['tune', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'pytorch_lightning', 'lightning') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert "kusumoto-tc" in done.stdout
+
+
+def test_an_unknown_solver_is_refused_with_the_registered_names(tmp_path, capsys):
+    import pytest
+
+    path = tmp_path / "g.json"
+    Graph.chain([100] * 5).save(path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["solve", "--graph", str(path), "--budget", "100%", "--solver", "kusumoto"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "'kusumoto' is not a solver" in err and "kusumoto-tc" in err
