@@ -750,21 +750,25 @@ def summary(results: Path = RESULTS) -> str:
     tag, records = runs[0]  # the GPU figures, where there are any, are the ones a user's choice rests on
     first = records[0]
     budgets = _auto_budgets(records)
+    largest_of = {record["model"]: [((record.get("largest_batch") or {}).get(key) or {}).get("batch")
+                                    for key in ("plain", "remat:auto:cap")] for record in records}
+    # A run made without the largest-batch search (run.py --part table) has no such column.
+    searched = any(b is not None for pair in largest_of.values() for b in pair)
     lines = [f"Measured on {first['machine']}, torch {first['torch']}, {first['date']}, "
              f"{_commits(records)} ([RESULTS.md, {tag}](benchmarks/RESULTS.md#{tag})); "
              "`remat auto` against plain training:", "",
              "| model | plain peak | " + " | ".join(f"`auto` @{b}: peak, time" for b in budgets)
-             + " | largest batch: plain, `auto` |",
-             "|---|---:|" + "---:|" * len(budgets) + "---:|"]
+             + (" | largest batch: plain, `auto` |" if searched else " |"),
+             "|---|---:|" + "---:|" * len(budgets) + ("---:|" if searched else "")]
     exact = measured = 0
     for record in records:
         rows, plain = record["rows"], record["rows"]["plain"]
-        batches = record.get("largest_batch") or {}
-        largest = [(batches.get(key) or {}).get("batch") for key in ("plain", "remat:auto:cap")]
+        largest = largest_of[record["model"]]
         cells = [_auto_cell(rows.get(f"remat:auto:{b}"), plain) for b in budgets]
         lines.append(f"| [{record['model']}](benchmarks/RESULTS.md#{tag}-{record['model']}) | "
-                     f"{mib(plain['peak_bytes'])} MiB | " + " | ".join(cells) + " | "
-                     + ", ".join("-" if b is None else str(b) for b in largest) + " |")
+                     f"{mib(plain['peak_bytes'])} MiB | " + " | ".join(cells) + " |"
+                     + (" " + ", ".join("-" if b is None else str(b) for b in largest) + " |"
+                        if searched else ""))
         for method, row in rows.items():
             if method.startswith("remat:") and "peak_bytes" in row:
                 measured += 1
@@ -786,8 +790,10 @@ def summary(results: Path = RESULTS) -> str:
                   f"worst peak error {e['peak_error_pct']:+.1f}% ({m}, {label}), worst extra-time "
                   f"error {e2['extra_error_points']:+.0f} points ({m2}, {label2})."]
     lines += ["", "*peak, time*: the measured peak and step time over plain training's; *no plan*: the "
-              "budget is below the smallest any plan reaches; *largest batch*: within the plain step's "
-              "measured peak at the base batch, `remat auto` with that peak as its budget."]
+              "budget is below the smallest any plan reaches"
+              + ("; *largest batch*: within the plain step's measured peak at the base batch, "
+                 "`remat auto` with that peak as its budget." if searched else
+                 ". This run did not search the largest batch (`run.py --part table`).")]
     return "\n".join(lines)
 
 
