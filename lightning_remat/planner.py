@@ -29,13 +29,11 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +65,7 @@ from lightning_remat.graph.trace import (
     sharding_of,
     trace_module,
 )
+from lightning_remat.imports import sympy_imported
 from lightning_remat.inputs import (
     InputKey,
     autocast_state,
@@ -395,9 +394,10 @@ class Planner:
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
-        # Tracing calls into torch._dynamo, which imports sympy on first use, and sympy adds
-        # a warning filter: the filters are restored (the library changes no global state).
-        guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+        # Tracing calls into torch._dynamo, which imports sympy on first use: imported whole
+        # first, so an interrupt cannot leave half of it behind, and the warning filter sympy
+        # adds is removed again (the library changes no global state).
+        guard = sympy_imported()
         try:
             # A step meter running around this call (the memory timeline's) would time the
             # profile under torch.profiler and keep the planner's own meter from starting.
