@@ -63,7 +63,9 @@ def main() -> int:
     tokens = torch.randint(0, 2000, (64, 129), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     # "spawn": ranks started from this process (the default "popen" runs the script again per rank).
-    strategy = RematFSDPStrategy(memory_budget=args.budget, start_method="spawn")
+    # Every process shards (ModelParallelStrategy's own default is one data-parallel rank per node).
+    strategy = RematFSDPStrategy(memory_budget=args.budget, start_method="spawn",
+                                 data_parallel_size=args.devices, tensor_parallel_size=1)
     trainer = pl.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                          max_steps=4, logger=False, enable_checkpointing=False)
     trainer.fit(ShardedGPT(), DataLoader(data, batch_size=8))

@@ -9,7 +9,9 @@ One SQLite file holds a row per basis (its digest) with the profiled graph and t
 JSON. A file that SQLite cannot read (not a database, a damaged page, a ``plans`` table of
 another schema) is moved aside with one warning; the rows that can still be read are copied
 into a fresh file, so the plans of other keys survive. An entry whose plan does not fit its
-graph is dropped with a warning and never trusted. A cache that cannot be written or opened at
+graph is dropped with a warning and never trusted; one that does is still simulated again on
+its graph before it is used (:func:`resimulated`), so its prediction is the simulator's, not
+the stored number. A cache that cannot be written or opened at
 all (a read-only file or folder, a folder path under a file, a full disk) is not moved: one
 warning says so and the run goes on without it, its plans made in memory and not stored.
 """
@@ -29,10 +31,11 @@ from typing import Any, TypeVar
 from lightning_remat.errors import warn_caller
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "CACHE_FOLDER", "CacheEntry", "PlanBasis", "PlanCache", "StoredPlan", "default_cache_dir",
-    "describe_change", "is_access_problem", "move_aside", "sqlite_problem",
+    "describe_change", "is_access_problem", "move_aside", "resimulated", "sqlite_problem",
 ]
 
 SCHEMA_VERSION = 3
@@ -145,6 +148,31 @@ class StoredPlan:
         stored = cls(value["graph"], value["plan"], PlanBasis.from_dict(value.get("basis")))
         Plan.from_json(stored.plan_json).validate(Graph.from_json(stored.graph_json))
         return stored
+
+
+def resimulated(graph: Graph, plan: Plan, budget_bytes: int | None, whole_stages: bool = False,
+                plain_fits: bool = False) -> Plan:
+    """A stored plan (cache or checkpoint) as the simulator scores it on its own graph:
+    stages, stored set and solver as stored, the predicted peak, margin and feasibility
+    recomputed (:func:`~lightning_remat.solvers.scoring.make_plan`; ``whole_stages`` for a
+    plan whose submodules are checkpointed on their own). A stored number is never trusted:
+    a plan edited on disk, or made by another version's simulator, is scored as it would
+    run. Raises ValueError saying why when the plan does not cover its graph, or when its
+    guaranteed peak is over ``budget_bytes``; ``plain_fits``: the plain step was measured
+    within the budget, so a plan that keeps everything is accepted on that measurement,
+    as the planner's ``auto`` accepts it (docs/design.md section 4.7)."""
+    checked = make_plan(graph, plan.stages, plan.solver, budget_bytes, stored=plan.stored,
+                        extra_seconds=plan.predicted_extra_seconds, notes=plan.notes,
+                        whole_stages=whole_stages)
+    keeps_all = all(stage.action == "keep" for stage in checked.stages)
+    if budget_bytes is not None and checked.guaranteed_peak_bytes > budget_bytes \
+            and not (keeps_all and plain_fits):
+        raise ValueError(f"simulated on its graph it peaks at {checked.guaranteed_peak_bytes} bytes "
+                         f"(margin included), over the budget of {budget_bytes} bytes; it recorded "
+                         f"{plan.guaranteed_peak_bytes}")
+    if keeps_all and plain_fits:
+        checked.feasible = True
+    return checked
 
 
 def sqlite_problem(path: str | Path) -> str | None:

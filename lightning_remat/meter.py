@@ -76,6 +76,10 @@ class AllocationLog:
         self._count = 0
         self._allocations: list[tuple[float, int]] = []  # (time, bytes: negative for a free)
         self._marks: list[tuple[int, int]] = []  # (time, index)
+        self._profiling = False
+        """Whether this log started the profiler and has not stopped it."""
+        self._mark_prefix = f"{_MARK}{id(self)}."
+        """Its marks' names: a session's events are this log's only (:meth:`_collect`)."""
 
     @staticmethod
     def available() -> bool:
@@ -84,43 +88,61 @@ class AllocationLog:
         return not _profiler_enabled() or bool(_running_logs)
 
     def __enter__(self) -> AllocationLog:
-        self._allocations, self._marks = [], []
-        if _running_logs:
-            _running_logs[-1]._pause()
+        self._allocations, self._marks, self._count = [], [], 0
+        outer = _running_logs[-1] if _running_logs else None
+        if outer is not None:
+            outer._pause()
         _running_logs.append(self)
-        self._start()
-        self.mark()
+        try:
+            self._start()
+            self.mark()
+        except BaseException:  # an interrupt (Ctrl-C) included: the meters are as before
+            self._pause()
+            _running_logs.remove(self)
+            if outer is not None:
+                outer._start()
+            raise
         return self
 
-    @staticmethod
-    def _start() -> None:
+    def _start(self) -> None:
         # The autograd profiler without Kineto (``ProfilerState.CPU``): c10 reports the same
         # allocations to it, and a CPU step needs none of Kineto's tracing. Started and
         # stopped once per metered step, Kineto's trace processing corrupted the heap (a
         # crash one fit in about twenty on a 2-core machine, torch 2.14).
         config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
         _enable_profiler_legacy(config)
+        self._profiling = True
 
     def _pause(self) -> None:
-        """Stop the profiler, keeping what it logged; :meth:`_start` goes on."""
-        self._collect(_disable_profiler_legacy())
+        """Stop the profiler, keeping what it logged; :meth:`_start` goes on. Stops it at
+        most once per start, so an interrupted log can always be left."""
+        if self._profiling:
+            self._profiling = False
+            self._collect(_disable_profiler_legacy())
 
     def mark(self) -> int:
         """Record a point of the step; its index into ``levels`` and ``peaks``."""
-        with torch.autograd.profiler.record_function(f"{_MARK}{self._count}"):
+        with torch.autograd.profiler.record_function(f"{self._mark_prefix}{self._count}"):
             pass
         self._count += 1
         return self._count - 1
 
     def __exit__(self, *exc: object) -> None:
-        self.mark()
-        self._pause()
-        _running_logs.remove(self)
+        # Each step runs whatever comes before it raised (an interrupt anywhere in here
+        # included): the profiler stopped, the log off the stack, the outer log going on.
+        try:
+            try:
+                self.mark()
+            finally:
+                self._pause()
+        finally:
+            if self in _running_logs:
+                _running_logs.remove(self)
+            if _running_logs:  # the log this one ran inside: its allocations are the outer's too
+                outer = _running_logs[-1]
+                outer._allocations.extend(self._allocations)
+                outer._start()
         self._resolve()
-        if _running_logs:  # the log this one ran inside: its allocations are the outer's too
-            outer = _running_logs[-1]
-            outer._allocations.extend(self._allocations)
-            outer._start()
 
     def window(self, start: int, end: int) -> tuple[int, int, int]:
         """(level at ``start``, peak from ``start`` to ``end``, level at ``end``)."""
@@ -140,8 +162,8 @@ class AllocationLog:
                 if kind == "memory_alloc":
                     if event.device() == -1:  # the CPU (a CUDA event names its device)
                         self._allocations.append((event.start_us(), int(event.cpu_memory_usage())))
-                elif kind == "push" and event.name().startswith(_MARK):
-                    self._marks.append((event.start_us(), int(event.name()[len(_MARK):])))
+                elif kind == "push" and event.name().startswith(self._mark_prefix):
+                    self._marks.append((event.start_us(), int(event.name()[len(self._mark_prefix):])))
 
     def _resolve(self) -> None:
         # Each event carries its bytes (negative for a free), so the pieces logged between
@@ -158,6 +180,8 @@ class AllocationLog:
         self.mapped_peaks = [0] * self._count
         k = 0
         for time, index in marks:
+            if index >= self._count:
+                continue  # marked and interrupted before it was counted
             peak, mapped_peak = level, mapped
             while k < len(allocations) and allocations[k][0] <= time:
                 nbytes = allocations[k][1]
@@ -194,8 +218,10 @@ def paused() -> Iterator[None]:
         yield
         return
     log = _running_logs[-1]
-    log._pause()
-    _running_logs.remove(log)
+    try:
+        log._pause()
+    finally:
+        _running_logs.remove(log)
     try:
         yield
     finally:

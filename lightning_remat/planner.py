@@ -29,13 +29,11 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +46,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from lightning_remat import meter
 from lightning_remat.budget import format_bytes, parse_budget, validate_budget
-from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change
+from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan, describe_change, resimulated
 from lightning_remat.device import (
     default_budget,
     device_name,
@@ -67,6 +65,7 @@ from lightning_remat.graph.trace import (
     sharding_of,
     trace_module,
 )
+from lightning_remat.imports import sympy_imported
 from lightning_remat.inputs import (
     InputKey,
     autocast_state,
@@ -395,9 +394,10 @@ class Planner:
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
         self.busy = True
-        # Tracing calls into torch._dynamo, which imports sympy on first use, and sympy adds
-        # a warning filter: the filters are restored (the library changes no global state).
-        guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+        # Tracing calls into torch._dynamo, which imports sympy on first use: imported whole
+        # first, so an interrupt cannot leave half of it behind, and the warning filter sympy
+        # adds is removed again (the library changes no global state).
+        guard = sympy_imported()
         try:
             # A step meter running around this call (the memory timeline's) would time the
             # profile under torch.profiler and keep the planner's own meter from starting.
@@ -642,17 +642,23 @@ class Planner:
         profile with it)."""
         if repr(key) in self.agreed:
             return self.agreed[repr(key)].unpack()
-        stored, explained = self._restored_for(repr(key), basis)
-        if stored is not None:
-            return Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json), True
-        if self.cache is not None:
-            hit = self.cache.get(basis)
-            if hit is not None:
-                return hit.graph, hit.plan, True
-            if not explained:
-                self._say_why_not(basis, self.cache.bases(), "plan cache")
         module, settings = self.module, self.settings
         device = module_device(module, args)
+        stored, explained = self._restored_for(repr(key), basis)
+        if stored is not None:
+            checked = self._trusted(Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json),
+                                    "checkpoint", device, traced.kind == CHILDREN)
+            if checked is not None:
+                return (*checked, True)
+            explained = True
+        if self.cache is not None:
+            hit = self.cache.get(basis)
+            checked = None if hit is None else self._trusted(hit.graph, hit.plan, "plan cache", device,
+                                                            traced.kind == CHILDREN)
+            if checked is not None:
+                return (*checked, True)
+            if hit is None and not explained:
+                self._say_why_not(basis, self.cache.bases(), "plan cache")
         if exchange is not None:
             exchange.send(ProfileTogether())
         note = self.progress or (lambda line: None)
@@ -684,6 +690,24 @@ class Planner:
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
                               profiled - started, "derived" if self.profiler is not None else "profile"))
         return graph, plan, False
+
+    def _trusted(self, graph: Graph, plan: Plan, source: str, device: torch.device,
+                 per_submodule: bool) -> tuple[Graph, Plan] | None:
+        """A stored plan re-simulated on its graph (:func:`~lightning_remat.cache.resimulated`)
+        against this run's budget, with its prediction recomputed; None, after one warning,
+        when it does not cover its graph or is over the budget (the caller plans afresh, and
+        a fresh plan replaces it in the cache)."""
+        budget = self._budget_read = self.settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        excess = int(graph.meta.measured_excess_bytes or 0)
+        plain_fits = (budget is not None and self.settings.solver == "auto" and bool(graph.meta.plain_peak_bytes)
+                      and plain_peak_bytes(graph) + excess <= budget)
+        try:
+            return graph, resimulated(graph, plan, budget, whole_stages=per_submodule, plain_fits=plain_fits)
+        except (ValueError, KeyError) as exc:
+            self._budget_read = None
+            warn_caller(f"lightning-remat: the {source}'s plan for this input is not used: {exc}; "
+                        "planning again")
+            return None
 
     def _accepted_plan(self, graph: Graph, budget: int | None, options: dict[str, Any],
                        per_submodule: bool) -> Plan:

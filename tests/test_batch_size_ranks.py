@@ -87,7 +87,7 @@ def _check(records):
 @pytest.mark.slow
 def test_search_under_remat_fsdp(tmp_path):
     strategy = RematFSDPStrategy(memory_budget="192KiB", cache_dir=tmp_path / "cache", start_method="spawn",
-                                 profile_steps=1)
+                                 profile_steps=1, data_parallel_size=2, tensor_parallel_size=1)
     _search(tmp_path, strategy, shard=True)
     _check(_records(tmp_path))
 

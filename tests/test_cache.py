@@ -84,3 +84,58 @@ def test_a_plan_made_for_another_world_size_or_sharding_is_made_again_with_one_l
     partial = {k: v for k, v in stored.to_dict()["basis"].items() if k not in ("world_size", "sharding")}
     assert PlanBasis.from_dict(partial) is None
     assert PlanBasis.from_dict(stored.to_dict()["basis"]) == stored.basis
+
+
+def _edit_cached_plan(path, edit) -> None:
+    """Change the one plan stored in the SQLite file as a person with sqlite3 would."""
+    import json
+
+    with sqlite3.connect(path) as db:
+        (text,) = db.execute("SELECT plan FROM plans").fetchone()
+        plan = json.loads(text)
+        edit(plan)
+        db.execute("UPDATE plans SET plan = ?", (json.dumps(plan),))
+
+
+def test_a_cached_plan_is_simulated_again_before_it_is_trusted(tmp_path):
+    """A plan edited in the cache file (every stage set to keep, its stored prediction left
+    as it was) is over its budget on its own graph: one warning, planned afresh, the fresh
+    plan trains as plain PyTorch and replaces it in a file that still reads. A stored
+    prediction is never taken as it is: the simulator's replaces it."""
+    import copy
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from lightning_remat.planner import Planner, PlanSettings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+    plain = copy.deepcopy(model)
+    x = torch.randn(2048, 16)
+    path, settings = tmp_path / "plans.sqlite", PlanSettings("75%", profile_repeats=1)
+    made = Planner(model, settings, cache=PlanCache(path)).planned_for((x,), {})
+    assert made.plan.count("recompute") > 0 and not made.from_cache
+
+    _edit_cached_plan(path, lambda plan: plan.update(predicted_peak_bytes=1, margin_bytes=0))
+    warm = Planner(model, settings, cache=PlanCache(path)).planned_for((x,), {})
+    assert warm.from_cache and warm.plan == made.plan  # the simulator's prediction, not the file's
+    assert warm.plan.guaranteed_peak_bytes == made.plan.guaranteed_peak_bytes
+
+    _edit_cached_plan(path, lambda plan: [stage.update(action="keep") for stage in plan["stages"]])
+    planner = Planner(model, settings, cache=PlanCache(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = planner.planned_for((x,), {})
+    said = [str(w.message) for w in caught if "plan cache" in str(w.message)]
+    assert len(said) == 1 and "over the budget" in said[0] and "planning again" in said[0], said
+    assert not again.from_cache and again.plan.count("recompute") > 0
+    assert again.plan.guaranteed_peak_bytes <= again.budget_bytes
+    stored = PlanCache(path).get(again.basis)  # the file reads, and holds the fresh plan
+    assert stored is not None and stored.plan == again.plan
+    assert not list(tmp_path.glob("*.corrupt*"))
+    planner(x).sum().backward()
+    plain(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -1,7 +1,8 @@
 """The strategies on two CPU ranks (gloo) as users run them: Lightning's default logger
 (TensorBoard), the default profile settings, a warm plan cache, budgets as a percentage,
 bytes and None. ``remat_fsdp`` trains as Lightning's plain ``ModelParallelStrategy`` (FSDP2),
-parameters, optimizer state and buffers rank by rank, after one step and after several; the
+both built with their defaults, parameters, optimizer state and buffers rank by rank, after one
+step and after several (the sharded mesh is compared in tests/test_strategy_fsdp.py); the
 ranks decide together under uneven load (a busy thread on one rank), and a collective in the
 forward (an ``all_reduce``, as SyncBatchNorm runs) neither hangs ``remat_ddp`` nor
 ``remat_fsdp``. Every scenario runs in one spawn of two ranks (:mod:`tests.distributed`)."""
@@ -141,7 +142,10 @@ def _fit(out: Path, strategy, root: Path | None = None, **model_kwargs) -> pl.Tr
 
 
 def _fsdp() -> ModelParallelStrategy:
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    """Lightning's own strategy with Lightning's own defaults, as ``RematFSDPStrategy()`` is
+    given below: the same mesh (a data-parallel group per node, the processes of a node its
+    tensor-parallel group), the same sampler, the same training."""
+    return ModelParallelStrategy()
 
 
 # ---- the scenarios, run by both ranks in order ---------------------------------------------

@@ -16,7 +16,7 @@ FLOW: list[tuple[str, ...]] = [
     ("budget",),
     ("errors",),
     ("inputs",),
-    ("device", "meter", "streams"),
+    ("device", "meter", "streams", "imports"),
     ("graph.ir",),
     ("graph.ops",),
     ("graph.effects",),
@@ -63,7 +63,7 @@ FLOW: list[tuple[str, ...]] = [
 EMPTY_PACKAGES = ("graph", "runtime", "lightning")
 """Package ``__init__`` files that only name their folder (they import nothing)."""
 
-LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "graph", "solvers", "runtime",
+LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "imports", "graph", "solvers", "runtime",
                   "cache", "messages", "planner", "tuning", "report", "registration")
 """Modules that must work without Lightning (the solvers are algorithms over the graph IR)."""
 

@@ -121,7 +121,8 @@ def _plain_strategy() -> ModelParallelStrategy:
 
 
 def _remat_strategy(out: Path) -> RematFSDPStrategy:
-    return RematFSDPStrategy(memory_budget="75%", cache_dir=out.parent / "cache", profile_steps=1)
+    return RematFSDPStrategy(memory_budget="75%", cache_dir=out.parent / "cache", profile_steps=1,
+                             data_parallel_size=2, tensor_parallel_size=1)
 
 
 def _ranked_fit(out: Path, strategy, ckpt_path=None, save=None) -> None:

@@ -87,10 +87,13 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
     a memory budget per rank.
 
     Args: as :class:`~lightning_remat.lightning.strategy.RematStrategy` (``target`` defaults
-    to the outermost ``fully_shard`` unit), plus ``ModelParallelStrategy``'s, with
-    ``data_parallel_size`` every process and ``tensor_parallel_size`` 1 unless given, and
-    ``start_method``: ``"popen"`` (Lightning's default: the script runs again per rank) or
-    ``"spawn"``/``"fork"``/``"forkserver"`` (processes started from this one, as
+    to the outermost ``fully_shard`` unit), plus ``ModelParallelStrategy``'s with its own
+    defaults (``"auto"``: ``data_parallel_size`` the number of nodes, ``tensor_parallel_size``
+    the processes per node; so the same ``Trainer`` arguments build the same device mesh,
+    the same ``DistributedSampler`` and the same training as ``ModelParallelStrategy``, and
+    sharding over every process takes ``data_parallel_size=N, tensor_parallel_size=1`` as
+    there), and ``start_method``: ``"popen"`` (Lightning's default: the script runs again per
+    rank) or ``"spawn"``/``"fork"``/``"forkserver"`` (processes started from this one, as
     ``DDPStrategy(start_method=...)``; for notebooks and tests).
     """
 
@@ -107,7 +110,7 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
         cache_dir: str | os.PathLike | None = None,
         safe_profile: bool = False,
         data_parallel_size: Literal["auto"] | int = "auto",
-        tensor_parallel_size: Literal["auto"] | int = 1,
+        tensor_parallel_size: Literal["auto"] | int = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -123,12 +126,6 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
             super()._configure_launcher()
         else:
             self._launcher = SpawnedShardsLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto" and self._tensor_parallel_size == 1:
-            self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards
-        super().setup_environment()
 
     @override
     def target_module(self, lightning_module: pl.LightningModule) -> torch.nn.Module:

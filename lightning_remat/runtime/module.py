@@ -26,9 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
 import time
-import warnings
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +42,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from lightning_remat.graph.effects import OncePerStep, call_with_hooks, has_forward_hooks
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
+from lightning_remat.imports import sympy_imported
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
@@ -313,9 +312,9 @@ class RematModule(nn.Module):
         for program in stages.programs:
             inputs = [env[name] for name in program.input_names]
             if program.action == "recompute" and recompute_now:
-                # Selective checkpointing imports sympy on first use, which adds a warning
-                # filter: the filters are restored (the library changes no global state).
-                guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
+                # Selective checkpointing imports sympy on first use: imported whole first
+                # (an interrupt leaves none of it), its warning filter removed again.
+                guard = sympy_imported()
                 region = KeptRegion() if program.kept_boundary else None
                 with guard:
                     outputs = torch.utils.checkpoint.checkpoint(
@@ -642,8 +641,7 @@ def measure_recompute_overhead(device: str | torch.device | None = None, *, roun
         with torch.no_grad():
             chain(x)
 
-    guard = warnings.catch_warnings() if "sympy" not in sys.modules else contextlib.nullcontext()
-    with guard, torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with sympy_imported(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         op_seconds = least_step(forward_only) / _CHAIN_LENGTH
         plain = least_step(step(chain))
         per_stage = []
