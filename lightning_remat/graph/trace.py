@@ -70,11 +70,12 @@ from lightning_remat.graph.effects import (
 )
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
-from lightning_remat.graph.ops import draws_random, mutated_operand
+from lightning_remat.graph.ops import VIEW_OPS, draws_random, mutated_operand
 
 __all__ = [
     "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "loop_loss",
-    "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
+    "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of",
+    "storage_order_edges", "trace_module",
 ]
 
 
@@ -520,9 +521,90 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
         operand = mutated_operand(n, gm) if n.name in vertex else None
         if operand is not None and operand.op != "get_attr":
             inplace[n.name] = charge.get(operand.name, operand.name)
+    # Writes to one storage keep their order against each other and its readers, whatever
+    # view each goes through: edges that order only, no value flows (docs/design.md
+    # section 5, "In-place writes").
+    have = set(edges)
+    for u, v in storage_order_edges(gm, charge):
+        if (u, v) not in have:
+            have.add((u, v))
+            edges.append((u, v))
+            shape_edges.append([u, v])
     meta = GraphMeta(input_consumers=input_consumers, outputs=outputs, param_bytes=param_bytes,
                      param_grad_bytes=param_grad_bytes, shape_edges=shape_edges, inplace=inplace)
     return Graph(graph_nodes, edges, meta), charge
+
+
+def _viewed(node: fx.Node, owner: nn.Module) -> fx.Node | None:
+    """The node whose storage ``node``'s value is a view of, or None: an ATen op whose
+    schema says its result aliases its first argument without writing it, a ``getitem``,
+    and the ops and modules ``graph.ops.VIEW_OPS`` names (``reshape`` and ``contiguous``
+    may copy: taking them as views only adds order)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        aliased = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        return node.args[0] if aliased else None
+    if node.op == "call_module":
+        try:
+            name = type(owner.get_submodule(str(node.target))).__name__
+        except AttributeError:
+            return None
+    elif node.op in ("call_function", "call_method"):
+        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    else:
+        return None
+    return node.args[0] if name in VIEW_OPS else None
+
+
+def storage_order_edges(gm: fx.GraphModule, charge: dict[str, str]) -> list[tuple[str, str]]:
+    """Edges ``(u, v)`` between vertices that order every in-place write to a storage the
+    forward writes (a value it made, or a step input) after each op that touches that
+    storage before it in the forward's order, and before each op that touches it after: an
+    op reading it, through any view, or writing it. ``shift_tokens_right`` in Hugging Face's
+    BART writes one tensor with ``copy_`` and ``fill_`` through two views and then with
+    ``masked_fill_`` on the tensor itself; nothing else links the first two writes to the
+    third, so without these edges a plan may run them in any order. Parameters and buffers
+    (``get_attr``) are module state, ordered by ``graph.effects``."""
+    nodes = list(gm.graph.nodes)
+    order = {n: k for k, n in enumerate(nodes)}
+    base: dict[fx.Node, fx.Node] = {}  # a view or an in-place result -> the storage's first node
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        operand = mutated_operand(n, gm)
+        if operand is not None:
+            root = base.get(operand, operand)
+            base[n] = root
+            if root.op != "get_attr":
+                writes.setdefault(root, []).append(n)
+            continue
+        viewed = _viewed(n, gm)
+        if viewed is not None:
+            base[n] = base.get(viewed, viewed)
+    if not writes:
+        return []
+    vertex_order = {n.name: k for k, n in enumerate(nodes)}
+    found: list[tuple[str, str]] = []
+    for root, written in writes.items():
+        is_write = set(written)
+        # The ops that touch the storage's data: each write, and each op reading it other
+        # than by taking a view of it.
+        touching = [n for n in nodes
+                    if n in is_write or (n.op.startswith("call") and base.get(n) is not root
+                                         and any(base.get(a, a) is root for a in n.all_input_nodes))]
+        for w in written:
+            vw = charge.get(w.name)
+            if vw is None:
+                continue
+            for n in touching:
+                vn = charge.get(n.name)
+                if vn is None or vn == vw:
+                    continue
+                u, v = (vn, vw) if order[n] < order[w] else (vw, vn)
+                if vertex_order[u] < vertex_order[v]:
+                    found.append((u, v))
+    return list(dict.fromkeys(found))
 
 
 def fx_vertex_graph(gm: fx.GraphModule, plan: Any, charge: dict[str, str] | None = None) -> Graph:

