@@ -394,6 +394,11 @@ class Planner:
                 "memory may differ from your loss's. To count your "
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
+        # Tracing, profiling and the metered step run the forward, which may write its inputs
+        # in place (``x.sub_(...)``): they run on copies, and the caller's tensors are
+        # modified only by the call they make (plain training modifies them once).
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), (args, kwargs))
         self.busy = True
         # Tracing calls into torch._dynamo, which imports sympy on first use, and sympy adds
         # a warning filter: the filters are restored (the library changes no global state).

@@ -305,6 +305,18 @@ class RematModule(nn.Module):
         env: dict[str, Any] = {}
         for (node_name, _), value in zip(stages.placeholders, variant.bind(args, kwargs)):
             env[node_name] = value
+        written = getattr(stages, "written_inputs", [])  # a plan pickled before it had them: none
+        callers = {name: env[name] for name, _ in written if isinstance(env[name], torch.Tensor)}
+        swapped: set[str] = set()
+        for name, value in callers.items():
+            # The stages' own tensor (CompiledStages.written_inputs): a second tensor on the
+            # caller's storage, which keeps it when the caller's tensor takes the result; a
+            # copy where the caller's tensor is a view or in autograd's graph.
+            if value.requires_grad or value._base is not None:
+                env[name] = value.clone()
+            else:
+                env[name] = value.data  # its own version counter: the swap bumps the caller's only
+                swapped.add(name)
         grad_mode = torch.is_grad_enabled()
         recompute_now = self.training and grad_mode
         # Once per call, not per stage: a walk over every submodule costs about as much as
@@ -340,6 +352,17 @@ class RematModule(nn.Module):
                 env.pop(name, None)
             env.update(zip(program.output_names, outputs))
             del outputs
+        for name, final in written:
+            caller, result = callers.get(name), env.get(final)
+            if caller is None or not isinstance(result, torch.Tensor) or _same_storage(caller, result):
+                continue  # written in place (the plan kept the writes where they were)
+            # The caller's input as plain training leaves it; recomputations read the stages'
+            # tensor, which holds the input as the forward found it.
+            if name in swapped:
+                with torch.no_grad():
+                    caller.set_(result.detach())
+            else:
+                caller.copy_(result)
         if variant.output_spec is not None:
             return pytree.tree_unflatten(list(rebuild_output(stages.output, env)), variant.output_spec)
         return rebuild_output(stages.output, env)
@@ -404,6 +427,10 @@ def _once_per_step(owner: nn.Module, program: StageProgram) -> Callable[[], Once
 
 def _resolve_attr(owner: nn.Module, qualified: str) -> Any:
     return functools.reduce(getattr, qualified.split("."), owner)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _has_fsdp_units(module: nn.Module) -> bool:

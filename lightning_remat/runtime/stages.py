@@ -269,9 +269,11 @@ def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[...
 def _build_programs(
     graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
     members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
+    held: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[list[StageProgram], Any]:
     """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
-    outputs a recomputed stage keeps), with the action the schedule gives it."""
+    outputs a recomputed stage keeps; ``held``: values the caller reads after the last
+    stage, as it reads the output), with the action the schedule gives it."""
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def value_stage(node: fx.Node) -> int:
@@ -284,7 +286,7 @@ def _build_programs(
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
                     last_reader[arg.name] = max(last_reader.get(arg.name, -1), k)
-    output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"}
+    output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"} | set(held)
     state_targets = {t for t in (state_write_target(n, owner) for n in graph.nodes) if t is not None}
 
     programs: list[StageProgram] = []
@@ -499,6 +501,11 @@ class CompiledStages:
     """(node name, placeholder target) in the order of the traced signature."""
     inplace_rewritten: list[str]
     """In-place ops rewritten to act on a clone."""
+    written_inputs: list[tuple[str, str]] = field(default_factory=list)
+    """(placeholder node name, the node whose value is its last in-place write): the step
+    inputs the forward writes in place. The stages run on a copy of each, and the value the
+    last write leaves is copied into the caller's tensor after the forward, as plain
+    training leaves it, while recomputations read the copy as the schedule left it."""
 
 
 def compile_stages(
@@ -516,14 +523,41 @@ def compile_stages(
         raise ValueError(f"the schedule has {len(schedule.stages)} stages, the plan {len(plan.stages)}")
     stage = _assign_stages(graph, plan, charge, owner)
     graph = _copy_graph(graph)
+    last_write = _last_input_writes(graph, owner)
     rewritten: list[str] = []
     if schedule.rewritten:
         rewritten = _functionalize_inplace(graph, stage, set(schedule.rewritten), owner)
+    by_name = {n.name: n for n in graph.nodes}
+    written_inputs = []
+    for placeholder, write in last_write.items():
+        node = by_name[write]
+        # A rewritten setitem writes a clone, its first argument now (it returns None).
+        final = node.args[0] if node.target is operator.setitem else node
+        if isinstance(final, fx.Node):
+            written_inputs.append((placeholder, final.name))
     members: list[list[fx.Node]] = [[] for _ in plan.stages]
     for node in graph.nodes:
         if node.name in stage:
             members[stage[node.name]].append(node)
     kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
-    programs, output = _build_programs(graph, stage, owner, members, schedule, kept)
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept,
+                                       {final for _, final in written_inputs})
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
-    return CompiledStages(programs, output, placeholders, rewritten)
+    return CompiledStages(programs, output, placeholders, rewritten, written_inputs)
+
+
+def _last_input_writes(graph: fx.Graph, owner: nn.Module) -> dict[str, str]:
+    """Placeholder name -> the last node writing it in place, following chains of in-place
+    ops (``x.sub_(m).div_(s)``: the tracer points the later readers of a written tensor at
+    its writer, ``trace.readers_follow_inplace``)."""
+    root: dict[fx.Node, fx.Node] = {}
+    last: dict[str, str] = {}
+    for node in graph.nodes:
+        operand = mutated_operand(node, owner) if node.op != "placeholder" else None
+        if operand is None:
+            continue
+        base = root.get(operand, operand)
+        root[node] = base
+        if base.op == "placeholder":
+            last[base.name] = node.name
+    return last
