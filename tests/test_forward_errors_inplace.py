@@ -10,6 +10,7 @@ Each case is compared with a plain copy of the model stepped from the same seed.
 from __future__ import annotations
 
 import copy
+import traceback
 
 import pytest
 import torch
@@ -109,3 +110,92 @@ def test_a_stock_bart_trains_on_plain_loss_and_gradients_at_half_its_peak() -> N
     plain_loss.backward()
     torch.testing.assert_close(loss, plain_loss)
     _assert_same_grads(model, plain)
+
+
+# ---- an input the forward writes in place ---------------------------------------------------
+class CentersItsInput(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.sub_(x.mean(1, keepdim=True))
+        return self.body(x)
+
+
+def test_an_input_written_in_place_is_left_as_plain_training_leaves_it() -> None:
+    torch.manual_seed(0)
+    model = CentersItsInput()
+    plain = copy.deepcopy(model)
+    example = torch.randn(2048, 64) + 3
+    given = example.clone()
+    planned = remat(model, example, "75%")
+    assert torch.equal(example, given), "remat() modified the example input it was given"
+    assert planned.plan.count("recompute") > 0
+    for step in range(2):
+        batch, plain_batch = (torch.randn(2048, 64, generator=torch.Generator().manual_seed(step)) + 3
+                              for _ in range(2))
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        planned(batch).square().mean().backward()
+        plain(plain_batch).square().mean().backward()
+        assert torch.equal(batch, plain_batch)  # centred, as the plain step left it
+        assert batch.mean(1).abs().max() < 1e-4
+        _assert_same_grads(model, plain)
+
+
+# ---- the user's own errors -------------------------------------------------------------------
+class WrongWidth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(256, 256)
+        self.second = nn.Linear(300, 256)  # the mistake: it is given a width of 256
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_an_error_in_the_users_forward_comes_back_as_itself(capfd: pytest.CaptureFixture[str]) -> None:
+    model = WrongWidth()
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as raised:
+        remat(model, torch.randn(8, 256), "50%")
+    assert type(raised.value) is RuntimeError  # not lightning_remat's TraceError
+    frames = [(frame.filename, frame.name) for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert (__file__, "forward") in frames  # the user's line is in the traceback
+    assert len(getattr(raised.value, "__notes__", [])) <= 1
+    err = capfd.readouterr().err
+    assert "def forward" not in err and "fake_tensor" not in err and "Traceback" not in err, err
+
+
+class BranchesOnData(nn.Module):
+    """fx and torch.export both refuse it (a branch on a tensor's value); its own forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if h.sum() > 0:
+            h = h * 2
+        print("the forward's own print")
+        return self.second(h)
+
+
+def test_a_failed_capture_writes_no_graph_to_stderr_and_leaves_logging_as_it_was(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    def disabled() -> dict[str, bool]:
+        return {name: logger.disabled for name, logger in logging.root.manager.loggerDict.items()
+                if isinstance(logger, logging.Logger)}
+
+    before = disabled()
+    with pytest.warns(UserWarning, match="torch.export could not capture it either"):
+        traced = trace_module(BranchesOnData(), torch.randn(4, 16))
+    assert traced.kind == "children"
+    captured = capfd.readouterr()
+    assert "def forward" not in captured.err and "torch.ops.aten" not in captured.err, captured.err
+    assert "the forward's own print" in captured.out  # the user's own output is left alone
+    after = disabled()
+    assert {name: after[name] for name in before} == before

@@ -47,8 +47,12 @@ the module class, what fx rejected and why the fallback cannot apply.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import operator
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -813,9 +817,73 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     # Capture never changes the module: whatever its forward assigns or updates is put back.
     state = ModuleState(module, values=False, skip=is_sharded_unit)
     try:
-        return _trace_module(module, inputs, kwargs)
+        with _torch_logs_quiet():
+            return _trace_module(module, inputs, kwargs)
     finally:
         state.restore()
+
+
+@contextmanager
+def _torch_logs_quiet() -> Iterator[None]:
+    """torch's own loggers (``torch._dynamo``, ``torch._subclasses.fake_tensor``, ...)
+    disabled while a capture runs, and put back as they were after: a forward
+    ``torch.export`` cannot capture makes them print the graph and the failed op's stack
+    to stderr, which is the capture's business, not the user's (the planner's warning says
+    why a capture fell back). The user's own loggers and the warnings are left alone."""
+    import torch._dynamo  # noqa: F401  (its loggers exist before they are disabled)
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    was = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in zip(loggers, was):
+            logger.disabled = disabled
+
+
+def _without_partial_graph(capture: Callable[[], Traced]) -> Traced:
+    """``capture()``, what it writes to ``sys.stderr`` passed on after it but for the partial
+    graph ``torch.export`` prints there when it fails (``partial_fx_graph``): the forward's
+    own writes (the user's prints) reach stderr, the capture's dump does not."""
+    written = io.StringIO()
+    dropped = ""
+    try:
+        with contextlib.redirect_stderr(written):
+            return capture()
+    except Exception as exc:
+        dropped = str(getattr(exc, "partial_fx_graph", "") or "")
+        raise
+    finally:
+        text = written.getvalue()
+        if dropped:
+            text = text.replace(dropped + "\n", "")  # export prints it at each level it passes
+        if text:
+            sys.stderr.write(text)
+
+
+def _forward_error(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                   devices: list[torch.device]) -> Exception | None:
+    """What the module's own forward raises on the example input, run as plain PyTorch (with
+    gradients, as training runs it; its state and the RNG put back after), or None when it
+    runs: a forward that fails is the user's error to see as it is, not a capture's."""
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    try:
+        with preserved_state(module, devices), torch.random.fork_rng(devices=cuda_devices), \
+                torch.enable_grad():
+            module(*inputs, **kwargs)
+    except Exception as exc:  # the user's code raises what it raises
+        return exc
+    return None
+
+
+def _as_users(error: Exception, module: nn.Module) -> Exception:
+    """``error``, raised by the user's forward, with one note saying where it came from."""
+    error.add_note(f"lightning_remat: {type(module).__name__}.forward raised this on the example "
+                   "input, run as plain PyTorch before its graph was captured; nothing was planned")
+    return error
 
 
 def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
@@ -830,11 +898,15 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
         fx_reason = _reason(exc)
         effects = False
+    # Whatever fx rejected, a forward that fails when run as it is fails for the user.
+    failure = _forward_error(module, inputs, kwargs, devices)
+    if failure is not None:
+        raise _as_users(failure, module)
     export_reason = ""
     # Export cannot keep FSDP's units whole, and would run a Python side effect only once.
     if not effects and not any(is_sharded_unit(m) for m in module.modules()):
         try:
-            traced = _trace_export(module, inputs, kwargs, devices)
+            traced = _without_partial_graph(lambda: _trace_export(module, inputs, kwargs, devices))
         except Exception as exc:  # export raises many kinds (user errors, guards on data, unsupported ops)
             export_reason = _reason(exc)
         else:
