@@ -811,6 +811,21 @@ def planning_summary(seconds: float, step_seconds: float | None, profile_seconds
     return f"planning took {seconds:.1f} s{steps}{parts}"
 
 
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, with a warning that it is planned and runs
+    eagerly (the plan's stage programs are not compiled); any other module as it is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    if compiled is None or not isinstance(module, compiled):
+        return module
+    inner = module._orig_mod
+    warn_caller(
+        f"lightning_remat: remat() was given a torch.compile'd module; it plans the "
+        f"{type(inner).__name__} inside it, whose planned forward runs eagerly, not compiled "
+        "(its parameters are the same objects; docs/limitations.md)")
+    return inner
+
+
 def remat(
     module: nn.Module,
     example_input: Any,
@@ -873,6 +888,7 @@ def remat(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat() needs a torch.nn.Module, got {type(module).__name__}")
+    module = _uncompiled(module)
     settings = PlanSettings(memory_budget, solver)
     if device is not None:
         module.to(torch.device(device))

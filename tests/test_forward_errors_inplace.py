@@ -199,3 +199,33 @@ def test_a_failed_capture_writes_no_graph_to_stderr_and_leaves_logging_as_it_was
     assert "the forward's own print" in captured.out  # the user's own output is left alone
     after = disabled()
     assert {name: after[name] for name in before} == before
+
+
+# ---- torch.compile either way ----------------------------------------------------------------
+def _chain() -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_planned_module_and_a_compiled_module_given_to_remat_train_as_plain() -> None:
+    """``torch.compile(remat(m, ...))`` runs the planned forward eagerly (a graph break) and
+    says so once; ``remat(torch.compile(m), ...)`` plans the module inside and says it runs
+    eagerly. Both train as the plain model does."""
+    torch.manual_seed(0)
+    model = _chain()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2048, 64)
+    compiled = torch.compile(remat(model, x, "75%"))
+    with pytest.warns(UserWarning, match="torch.compile of a planned module runs its planned forward eagerly"):
+        compiled(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    _assert_same_grads(model, plain)
+
+    other = copy.deepcopy(plain)
+    with pytest.warns(UserWarning, match="given a torch.compile'd module; it plans the Sequential"):
+        planned = remat(torch.compile(other), x, "75%")
+    assert planned.plan.count("recompute") > 0
+    for module in (other, plain):
+        module.zero_grad(set_to_none=True)
+        (planned if module is other else plain)(x).square().mean().backward()
+    _assert_same_grads(other, plain)

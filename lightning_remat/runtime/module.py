@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from lightning_remat.errors import warn_caller
 from lightning_remat.graph.effects import OncePerStep, call_with_hooks, has_forward_hooks
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
@@ -277,7 +278,16 @@ class RematModule(nn.Module):
         (the strategy calls ``root`` itself, whose ``__call__`` fires them)."""
         object.__setattr__(self, "_remat_hooks_root", root)
 
+    _remat_said_eager: bool = False
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace the stage programs (generated code under selective
+            # checkpointing): the forward runs outside the compiled graph, as it is.
+            return _outside_compile()(self, args, kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self._remat_hooks_root
         if root is not None and has_forward_hooks(root):
             return call_with_hooks(root, self._planned_forward, args, kwargs)
@@ -427,6 +437,30 @@ def _once_per_step(owner: nn.Module, program: StageProgram) -> Callable[[], Once
 
 def _resolve_attr(owner: nn.Module, qualified: str) -> Any:
     return functools.reduce(getattr, qualified.split("."), owner)
+
+
+_OUTSIDE_COMPILE: list[Callable[[RematModule, tuple, dict], Any]] = []
+
+
+def _outside_compile() -> Callable[[RematModule, tuple, dict], Any]:
+    """:func:`_forward_outside_compile` marked for Dynamo to run as it is (a graph break);
+    made on first use, under ``torch.compile``, so that importing this package does not
+    import Dynamo."""
+    if not _OUTSIDE_COMPILE:
+        import torch._dynamo
+
+        _OUTSIDE_COMPILE.append(torch._dynamo.disable(_forward_outside_compile))
+    return _OUTSIDE_COMPILE[0]
+
+
+def _forward_outside_compile(module: RematModule, args: tuple, kwargs: dict) -> Any:
+    if not module._remat_said_eager:
+        object.__setattr__(module, "_remat_said_eager", True)
+        warn_caller(
+            "lightning_remat: torch.compile of a planned module runs its planned forward "
+            "eagerly (Dynamo cannot trace the stage programs' selective checkpointing): the plan "
+            "and its memory budget hold, the forward is not compiled (docs/limitations.md)")
+    return module._forward(*args, **kwargs)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
