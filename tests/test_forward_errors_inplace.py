@@ -167,6 +167,26 @@ def test_an_error_in_the_users_forward_comes_back_as_itself(capfd: pytest.Captur
     assert "def forward" not in err and "fake_tensor" not in err and "Traceback" not in err, err
 
 
+def test_an_error_in_the_users_forward_comes_back_as_itself_under_the_strategy(tmp_path) -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    import lightning_remat.lightning.strategy  # noqa: F401  (registers the strategy)
+    from tests.lit_models import ConvNet, loaders, trainer_kwargs
+
+    class WrongHead(ConvNet):
+        def __init__(self) -> None:
+            super().__init__(channels=8)
+            self.head = nn.Linear(300, 10)  # the mistake: it is given 8 channels
+
+    train, _ = loaders(n=16, batch_size=8, size=8)
+    trainer = pl.Trainer(strategy="remat", **trainer_kwargs(tmp_path, max_epochs=1, limit_val_batches=0))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as raised:
+        trainer.fit(WrongHead(), train)
+    assert type(raised.value) is RuntimeError
+    last = traceback.extract_tb(raised.value.__traceback__)
+    assert any(frame.name == "forward" and frame.filename.endswith("lit_models.py") for frame in last)
+    assert "trace.py" not in last[-1].filename
+
+
 class BranchesOnData(nn.Module):
     """fx and torch.export both refuse it (a branch on a tensor's value); its own forward runs."""
 
