@@ -74,7 +74,7 @@ from lightning_remat.graph.effects import (
 )
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
-from lightning_remat.graph.ops import VIEW_OPS, draws_random, mutated_operand
+from lightning_remat.graph.ops import draws_random, mutated_operand, viewed_operand
 
 __all__ = [
     "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "loop_loss",
@@ -539,29 +539,6 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
     return Graph(graph_nodes, edges, meta), charge
 
 
-def _viewed(node: fx.Node, owner: nn.Module) -> fx.Node | None:
-    """The node whose storage ``node``'s value is a view of, or None: an ATen op whose
-    schema says its result aliases its first argument without writing it, a ``getitem``,
-    and the ops and modules ``graph.ops.VIEW_OPS`` names (``reshape`` and ``contiguous``
-    may copy: taking them as views only adds order)."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        returns = node.target._schema.returns
-        aliased = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-        return node.args[0] if aliased else None
-    if node.op == "call_module":
-        try:
-            name = type(owner.get_submodule(str(node.target))).__name__
-        except AttributeError:
-            return None
-    elif node.op in ("call_function", "call_method"):
-        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-    else:
-        return None
-    return node.args[0] if name in VIEW_OPS else None
-
-
 def storage_order_edges(gm: fx.GraphModule, charge: dict[str, str]) -> list[tuple[str, str]]:
     """Edges ``(u, v)`` between vertices that order every in-place write to a storage the
     forward writes (a value it made, or a step input) after each op that touches that
@@ -583,7 +560,7 @@ def storage_order_edges(gm: fx.GraphModule, charge: dict[str, str]) -> list[tupl
             if root.op != "get_attr":
                 writes.setdefault(root, []).append(n)
             continue
-        viewed = _viewed(n, gm)
+        viewed = viewed_operand(n, gm)
         if viewed is not None:
             base[n] = base.get(viewed, viewed)
     if not writes:

@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.graph.effects import state_write_target
-from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
+from lightning_remat.graph.ops import keepable, mutated_operand, viewed_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule
 
@@ -129,6 +129,10 @@ def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[
         if operand is None or operand.op == "get_attr":
             continue  # in-place updates of parameters/buffers are state, not values
         op_stage = stage[op_node.name]
+        if viewed_operand(operand, owner) is not None:
+            _write_a_copy_through_the_view(graph, op_node, operand, stage, position, owner)
+            rewritten.append(op_node.name)
+            continue
         if _make_out_of_place(graph, op_node, owner):
             result = op_node
         else:
@@ -152,6 +156,65 @@ def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[
             user.replace_input_with(operand, result)
         rewritten.append(op_node.name)
     return rewritten
+
+
+def _write_a_copy_through_the_view(graph: fx.Graph, op_node: fx.Node, operand: fx.Node,
+                                   stage: dict[str, int], position: dict[fx.Node, int],
+                                   owner: nn.Module) -> None:
+    """Rewrite ``op_node``, an in-place write through a view (``h[:, :8].mul_(0.5)``,
+    ``shifted[:, 1:].copy_(ids)``), to leave the tensor it writes unchanged: the tensor the
+    view is of is cloned, the view taken again on the clone and written there, and every
+    later reader of that tensor, of a view of it or of a write into it reads the clone's
+    instead. Writing a copy of the view alone would leave the readers of the tensor
+    without the write."""
+    op_stage = stage[op_node.name]
+
+    def source(node: fx.Node) -> fx.Node | None:
+        return viewed_operand(node, owner) or mutated_operand(node, owner)
+
+    root = operand
+    while (parent := source(root)) is not None:
+        root = parent
+    with graph.inserting_before(op_node):
+        clone = graph.call_method("clone", (root,))
+    stage[clone.name], position[clone] = op_stage, position[op_node]
+    remade: dict[fx.Node, fx.Node] = {root: clone}
+
+    def remake(node: fx.Node) -> fx.Node:
+        """``node`` (the root, a view of it or a write into it, made before ``op_node``) as
+        it stands on the clone."""
+        if node not in remade:
+            if viewed_operand(node, owner) is None:  # a write: the tensor it wrote
+                remade[node] = remake(mutated_operand(node, owner))  # type: ignore[arg-type]
+            else:
+                parent = node.args[0]
+                base = remake(parent)  # type: ignore[arg-type]
+                with graph.inserting_before(op_node):
+                    copy = graph.node_copy(node, lambda a: base if a is parent else a)
+                stage[copy.name], position[copy] = op_stage, position[op_node]
+                remade[node] = copy
+        return remade[node]
+
+    op_node.update_arg(0, remake(operand))
+    made = set(remade.values())
+    # The storage's values made before the write: the root, its views, the writes into it.
+    before = [n for n in graph.nodes if n in position and position[n] < position[op_node]]
+    storage = {root}
+    for node in before:
+        parent = source(node)
+        if parent is not None and parent in storage:
+            storage.add(node)
+    for value in [n for n in before if n in storage]:
+        for user in list(value.users):
+            if user is op_node or user in made or user not in position or position[user] <= position[op_node]:
+                continue
+            if user.op != "output" and stage[user.name] < op_stage:
+                raise ValueError(
+                    f"{user.name!r} (stage {stage[user.name]}) reads {value.name!r} after the "
+                    f"in-place op {op_node.name!r} (stage {op_stage}) changed it; put them in "
+                    "the same stage or keep the reader after the op")
+            user.replace_input_with(value, remake(value))
+            made = set(remade.values())
 
 
 _OUT_OF_PLACE_OPERATORS = {
