@@ -393,6 +393,11 @@ class Planner:
                 "memory may differ from your loss's. To count your "
                 "loss, save the original module (or its state_dict) and call remat(..., "
                 "loss_fn=...) after loading")
+        # Tracing, profiling and the metered step run the forward, which may write its inputs
+        # in place (``x.sub_(...)``): they run on copies, and the caller's tensors are
+        # modified only by the call they make (plain training modifies them once).
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), (args, kwargs))
         self.busy = True
         # Tracing calls into torch._dynamo, which imports sympy on first use: imported whole
         # first, so an interrupt cannot leave half of it behind, and the warning filter sympy
@@ -830,6 +835,21 @@ def planning_summary(seconds: float, step_seconds: float | None, profile_seconds
     return f"planning took {seconds:.1f} s{steps}{parts}"
 
 
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, with a warning that it is planned and runs
+    eagerly (the plan's stage programs are not compiled); any other module as it is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    if compiled is None or not isinstance(module, compiled):
+        return module
+    inner = module._orig_mod
+    warn_caller(
+        f"lightning_remat: remat() was given a torch.compile'd module; it plans the "
+        f"{type(inner).__name__} inside it, whose planned forward runs eagerly, not compiled "
+        "(its parameters are the same objects; docs/limitations.md)")
+    return inner
+
+
 def remat(
     module: nn.Module,
     example_input: Any,
@@ -892,6 +912,7 @@ def remat(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat() needs a torch.nn.Module, got {type(module).__name__}")
+    module = _uncompiled(module)
     settings = PlanSettings(memory_budget, solver)
     if device is not None:
         module.to(torch.device(device))

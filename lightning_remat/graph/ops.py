@@ -33,7 +33,7 @@ from lightning_remat.graph.ir import Graph
 __all__ = [
     "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
     "draws_random", "inplace_operands", "keepable", "mutated_operand", "random_vertices",
-    "written_attributes",
+    "viewed_operand", "written_attributes",
 ]
 
 VIEW_OPS = frozenset({
@@ -155,6 +155,29 @@ def mutated_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
         if (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True:
             return first
     return None
+
+
+def viewed_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
+    """The node whose storage ``node``'s value is a view of, or None: an ATen op whose
+    schema says its result aliases its first argument without writing it, a ``getitem``,
+    and the ops and modules :data:`VIEW_OPS` names (``reshape`` and ``contiguous`` may
+    copy: taken as views, they only add order to the writes around them)."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        aliased = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        return node.args[0] if aliased else None
+    if node.op == "call_module":
+        try:
+            name = type(owner.get_submodule(str(node.target))).__name__
+        except AttributeError:
+            return None
+    elif node.op in ("call_function", "call_method"):
+        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    else:
+        return None
+    return node.args[0] if name in VIEW_OPS else None
 
 
 def written_attributes(node: fx.Node) -> list[fx.Node]:

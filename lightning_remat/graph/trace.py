@@ -47,8 +47,12 @@ the module class, what fx rejected and why the fallback cannot apply.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import operator
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -70,11 +74,12 @@ from lightning_remat.graph.effects import (
 )
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
-from lightning_remat.graph.ops import draws_random, mutated_operand
+from lightning_remat.graph.ops import draws_random, mutated_operand, viewed_operand
 
 __all__ = [
     "CHILDREN", "EXPORT", "Traced", "ValueRecorder", "as_tuple", "build_fx_graph", "default_loss", "is_getitem", "loop_loss",
-    "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of", "trace_module",
+    "call_through", "fx_vertex_graph", "is_sharded_unit", "local_bytes", "sharded_gradients_kept", "sharding_of",
+    "storage_order_edges", "trace_module",
 ]
 
 
@@ -520,9 +525,67 @@ def build_fx_graph(gm: fx.GraphModule, kind: dict[str, str]) -> tuple[Graph, dic
         operand = mutated_operand(n, gm) if n.name in vertex else None
         if operand is not None and operand.op != "get_attr":
             inplace[n.name] = charge.get(operand.name, operand.name)
+    # Writes to one storage keep their order against each other and its readers, whatever
+    # view each goes through: edges that order only, no value flows (docs/design.md
+    # section 5, "In-place writes").
+    have = set(edges)
+    for u, v in storage_order_edges(gm, charge):
+        if (u, v) not in have:
+            have.add((u, v))
+            edges.append((u, v))
+            shape_edges.append([u, v])
     meta = GraphMeta(input_consumers=input_consumers, outputs=outputs, param_bytes=param_bytes,
                      param_grad_bytes=param_grad_bytes, shape_edges=shape_edges, inplace=inplace)
     return Graph(graph_nodes, edges, meta), charge
+
+
+def storage_order_edges(gm: fx.GraphModule, charge: dict[str, str]) -> list[tuple[str, str]]:
+    """Edges ``(u, v)`` between vertices that order every in-place write to a storage the
+    forward writes (a value it made, or a step input) after each op that touches that
+    storage before it in the forward's order, and before each op that touches it after: an
+    op reading it, through any view, or writing it. ``shift_tokens_right`` in Hugging Face's
+    BART writes one tensor with ``copy_`` and ``fill_`` through two views and then with
+    ``masked_fill_`` on the tensor itself; nothing else links the first two writes to the
+    third, so without these edges a plan may run them in any order. Parameters and buffers
+    (``get_attr``) are module state, ordered by ``graph.effects``."""
+    nodes = list(gm.graph.nodes)
+    order = {n: k for k, n in enumerate(nodes)}
+    base: dict[fx.Node, fx.Node] = {}  # a view or an in-place result -> the storage's first node
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        operand = mutated_operand(n, gm)
+        if operand is not None:
+            root = base.get(operand, operand)
+            base[n] = root
+            if root.op != "get_attr":
+                writes.setdefault(root, []).append(n)
+            continue
+        viewed = viewed_operand(n, gm)
+        if viewed is not None:
+            base[n] = base.get(viewed, viewed)
+    if not writes:
+        return []
+    vertex_order = {n.name: k for k, n in enumerate(nodes)}
+    found: list[tuple[str, str]] = []
+    for root, written in writes.items():
+        is_write = set(written)
+        # The ops that touch the storage's data: each write, and each op reading it other
+        # than by taking a view of it.
+        touching = [n for n in nodes
+                    if n in is_write or (n.op.startswith("call") and base.get(n) is not root
+                                         and any(base.get(a, a) is root for a in n.all_input_nodes))]
+        for w in written:
+            vw = charge.get(w.name)
+            if vw is None:
+                continue
+            for n in touching:
+                vn = charge.get(n.name)
+                if vn is None or vn == vw:
+                    continue
+                u, v = (vn, vw) if order[n] < order[w] else (vw, vn)
+                if vertex_order[u] < vertex_order[v]:
+                    found.append((u, v))
+    return list(dict.fromkeys(found))
 
 
 def fx_vertex_graph(gm: fx.GraphModule, plan: Any, charge: dict[str, str] | None = None) -> Graph:
@@ -731,9 +794,73 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     # Capture never changes the module: whatever its forward assigns or updates is put back.
     state = ModuleState(module, values=False, skip=is_sharded_unit)
     try:
-        return _trace_module(module, inputs, kwargs)
+        with _torch_logs_quiet():
+            return _trace_module(module, inputs, kwargs)
     finally:
         state.restore()
+
+
+@contextmanager
+def _torch_logs_quiet() -> Iterator[None]:
+    """torch's own loggers (``torch._dynamo``, ``torch._subclasses.fake_tensor``, ...)
+    disabled while a capture runs, and put back as they were after: a forward
+    ``torch.export`` cannot capture makes them print the graph and the failed op's stack
+    to stderr, which is the capture's business, not the user's (the planner's warning says
+    why a capture fell back). The user's own loggers and the warnings are left alone."""
+    import torch._dynamo  # noqa: F401  (its loggers exist before they are disabled)
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    was = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, disabled in zip(loggers, was):
+            logger.disabled = disabled
+
+
+def _without_partial_graph(capture: Callable[[], Traced]) -> Traced:
+    """``capture()``, what it writes to ``sys.stderr`` passed on after it but for the partial
+    graph ``torch.export`` prints there when it fails (``partial_fx_graph``): the forward's
+    own writes (the user's prints) reach stderr, the capture's dump does not."""
+    written = io.StringIO()
+    dropped = ""
+    try:
+        with contextlib.redirect_stderr(written):
+            return capture()
+    except Exception as exc:
+        dropped = str(getattr(exc, "partial_fx_graph", "") or "")
+        raise
+    finally:
+        text = written.getvalue()
+        if dropped:
+            text = text.replace(dropped + "\n", "")  # export prints it at each level it passes
+        if text:
+            sys.stderr.write(text)
+
+
+def _forward_error(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                   devices: list[torch.device]) -> Exception | None:
+    """What the module's own forward raises on the example input, run as plain PyTorch (with
+    gradients, as training runs it; its state and the RNG put back after), or None when it
+    runs: a forward that fails is the user's error to see as it is, not a capture's."""
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    try:
+        with preserved_state(module, devices), torch.random.fork_rng(devices=cuda_devices), \
+                torch.enable_grad():
+            module(*inputs, **kwargs)
+    except Exception as exc:  # the user's code raises what it raises
+        return exc
+    return None
+
+
+def _as_users(error: Exception, module: nn.Module) -> Exception:
+    """``error``, raised by the user's forward, with one note saying where it came from."""
+    error.add_note(f"lightning_remat: {type(module).__name__}.forward raised this on the example "
+                   "input, run as plain PyTorch before its graph was captured; nothing was planned")
+    return error
 
 
 def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
@@ -748,11 +875,15 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
         fx_reason = _reason(exc)
         effects = False
+    # Whatever fx rejected, a forward that fails when run as it is fails for the user.
+    failure = _forward_error(module, inputs, kwargs, devices)
+    if failure is not None:
+        raise _as_users(failure, module)
     export_reason = ""
     # Export cannot keep FSDP's units whole, and would run a Python side effect only once.
     if not effects and not any(is_sharded_unit(m) for m in module.modules()):
         try:
-            traced = _trace_export(module, inputs, kwargs, devices)
+            traced = _without_partial_graph(lambda: _trace_export(module, inputs, kwargs, devices))
         except Exception as exc:  # export raises many kinds (user errors, guards on data, unsupported ops)
             export_reason = _reason(exc)
         else:

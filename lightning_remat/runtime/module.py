@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from lightning_remat.errors import warn_caller
 from lightning_remat.graph.effects import OncePerStep, call_with_hooks, has_forward_hooks
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
@@ -276,7 +277,16 @@ class RematModule(nn.Module):
         (the strategy calls ``root`` itself, whose ``__call__`` fires them)."""
         object.__setattr__(self, "_remat_hooks_root", root)
 
+    _remat_said_eager: bool = False
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace the stage programs (generated code under selective
+            # checkpointing): the forward runs outside the compiled graph, as it is.
+            return _outside_compile()(self, args, kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self._remat_hooks_root
         if root is not None and has_forward_hooks(root):
             return call_with_hooks(root, self._planned_forward, args, kwargs)
@@ -304,6 +314,18 @@ class RematModule(nn.Module):
         env: dict[str, Any] = {}
         for (node_name, _), value in zip(stages.placeholders, variant.bind(args, kwargs)):
             env[node_name] = value
+        written = getattr(stages, "written_inputs", [])  # a plan pickled before it had them: none
+        callers = {name: env[name] for name, _ in written if isinstance(env[name], torch.Tensor)}
+        swapped: set[str] = set()
+        for name, value in callers.items():
+            # The stages' own tensor (CompiledStages.written_inputs): a second tensor on the
+            # caller's storage, which keeps it when the caller's tensor takes the result; a
+            # copy where the caller's tensor is a view or in autograd's graph.
+            if value.requires_grad or value._base is not None:
+                env[name] = value.clone()
+            else:
+                env[name] = value.data  # its own version counter: the swap bumps the caller's only
+                swapped.add(name)
         grad_mode = torch.is_grad_enabled()
         recompute_now = self.training and grad_mode
         # Once per call, not per stage: a walk over every submodule costs about as much as
@@ -339,6 +361,17 @@ class RematModule(nn.Module):
                 env.pop(name, None)
             env.update(zip(program.output_names, outputs))
             del outputs
+        for name, final in written:
+            caller, result = callers.get(name), env.get(final)
+            if caller is None or not isinstance(result, torch.Tensor) or _same_storage(caller, result):
+                continue  # written in place (the plan kept the writes where they were)
+            # The caller's input as plain training leaves it; recomputations read the stages'
+            # tensor, which holds the input as the forward found it.
+            if name in swapped:
+                with torch.no_grad():
+                    caller.set_(result.detach())
+            else:
+                caller.copy_(result)
         if variant.output_spec is not None:
             return pytree.tree_unflatten(list(rebuild_output(stages.output, env)), variant.output_spec)
         return rebuild_output(stages.output, env)
@@ -403,6 +436,34 @@ def _once_per_step(owner: nn.Module, program: StageProgram) -> Callable[[], Once
 
 def _resolve_attr(owner: nn.Module, qualified: str) -> Any:
     return functools.reduce(getattr, qualified.split("."), owner)
+
+
+_OUTSIDE_COMPILE: list[Callable[[RematModule, tuple, dict], Any]] = []
+
+
+def _outside_compile() -> Callable[[RematModule, tuple, dict], Any]:
+    """:func:`_forward_outside_compile` marked for Dynamo to run as it is (a graph break);
+    made on first use, under ``torch.compile``, so that importing this package does not
+    import Dynamo."""
+    if not _OUTSIDE_COMPILE:
+        import torch._dynamo
+
+        _OUTSIDE_COMPILE.append(torch._dynamo.disable(_forward_outside_compile))
+    return _OUTSIDE_COMPILE[0]
+
+
+def _forward_outside_compile(module: RematModule, args: tuple, kwargs: dict) -> Any:
+    if not module._remat_said_eager:
+        object.__setattr__(module, "_remat_said_eager", True)
+        warn_caller(
+            "lightning_remat: torch.compile of a planned module runs its planned forward "
+            "eagerly (Dynamo cannot trace the stage programs' selective checkpointing): the plan "
+            "and its memory budget hold, the forward is not compiled (docs/limitations.md)")
+    return module._forward(*args, **kwargs)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _has_fsdp_units(module: nn.Module) -> bool:

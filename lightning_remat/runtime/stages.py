@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_remat.graph.effects import state_write_target
-from lightning_remat.graph.ops import keepable, mutated_operand, written_attributes
+from lightning_remat.graph.ops import keepable, mutated_operand, viewed_operand, written_attributes
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule
 
@@ -129,6 +129,10 @@ def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[
         if operand is None or operand.op == "get_attr":
             continue  # in-place updates of parameters/buffers are state, not values
         op_stage = stage[op_node.name]
+        if viewed_operand(operand, owner) is not None:
+            _write_a_copy_through_the_view(graph, op_node, operand, stage, position, owner)
+            rewritten.append(op_node.name)
+            continue
         if _make_out_of_place(graph, op_node, owner):
             result = op_node
         else:
@@ -152,6 +156,65 @@ def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[
             user.replace_input_with(operand, result)
         rewritten.append(op_node.name)
     return rewritten
+
+
+def _write_a_copy_through_the_view(graph: fx.Graph, op_node: fx.Node, operand: fx.Node,
+                                   stage: dict[str, int], position: dict[fx.Node, int],
+                                   owner: nn.Module) -> None:
+    """Rewrite ``op_node``, an in-place write through a view (``h[:, :8].mul_(0.5)``,
+    ``shifted[:, 1:].copy_(ids)``), to leave the tensor it writes unchanged: the tensor the
+    view is of is cloned, the view taken again on the clone and written there, and every
+    later reader of that tensor, of a view of it or of a write into it reads the clone's
+    instead. Writing a copy of the view alone would leave the readers of the tensor
+    without the write."""
+    op_stage = stage[op_node.name]
+
+    def source(node: fx.Node) -> fx.Node | None:
+        return viewed_operand(node, owner) or mutated_operand(node, owner)
+
+    root = operand
+    while (parent := source(root)) is not None:
+        root = parent
+    with graph.inserting_before(op_node):
+        clone = graph.call_method("clone", (root,))
+    stage[clone.name], position[clone] = op_stage, position[op_node]
+    remade: dict[fx.Node, fx.Node] = {root: clone}
+
+    def remake(node: fx.Node) -> fx.Node:
+        """``node`` (the root, a view of it or a write into it, made before ``op_node``) as
+        it stands on the clone."""
+        if node not in remade:
+            if viewed_operand(node, owner) is None:  # a write: the tensor it wrote
+                remade[node] = remake(mutated_operand(node, owner))  # type: ignore[arg-type]
+            else:
+                parent = node.args[0]
+                base = remake(parent)  # type: ignore[arg-type]
+                with graph.inserting_before(op_node):
+                    copy = graph.node_copy(node, lambda a: base if a is parent else a)
+                stage[copy.name], position[copy] = op_stage, position[op_node]
+                remade[node] = copy
+        return remade[node]
+
+    op_node.update_arg(0, remake(operand))
+    made = set(remade.values())
+    # The storage's values made before the write: the root, its views, the writes into it.
+    before = [n for n in graph.nodes if n in position and position[n] < position[op_node]]
+    storage = {root}
+    for node in before:
+        parent = source(node)
+        if parent is not None and parent in storage:
+            storage.add(node)
+    for value in [n for n in before if n in storage]:
+        for user in list(value.users):
+            if user is op_node or user in made or user not in position or position[user] <= position[op_node]:
+                continue
+            if user.op != "output" and stage[user.name] < op_stage:
+                raise ValueError(
+                    f"{user.name!r} (stage {stage[user.name]}) reads {value.name!r} after the "
+                    f"in-place op {op_node.name!r} (stage {op_stage}) changed it; put them in "
+                    "the same stage or keep the reader after the op")
+            user.replace_input_with(value, remake(value))
+            made = set(remade.values())
 
 
 _OUT_OF_PLACE_OPERATORS = {
@@ -269,9 +332,11 @@ def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[...
 def _build_programs(
     graph: fx.Graph, stage: dict[str, int], owner: nn.Module,
     members: list[list[fx.Node]], schedule: Schedule, kept_nodes: list[set[str]],
+    held: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[list[StageProgram], Any]:
     """Each stage's program (``members``: its fx nodes in order; ``kept_nodes``: those whose
-    outputs a recomputed stage keeps), with the action the schedule gives it."""
+    outputs a recomputed stage keeps; ``held``: values the caller reads after the last
+    stage, as it reads the output), with the action the schedule gives it."""
     output_node = next(n for n in graph.nodes if n.op == "output")
 
     def value_stage(node: fx.Node) -> int:
@@ -284,7 +349,7 @@ def _build_programs(
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
                     last_reader[arg.name] = max(last_reader.get(arg.name, -1), k)
-    output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"}
+    output_values = {a.name for a in output_node.all_input_nodes if a.op != "get_attr"} | set(held)
     state_targets = {t for t in (state_write_target(n, owner) for n in graph.nodes) if t is not None}
 
     programs: list[StageProgram] = []
@@ -499,6 +564,11 @@ class CompiledStages:
     """(node name, placeholder target) in the order of the traced signature."""
     inplace_rewritten: list[str]
     """In-place ops rewritten to act on a clone."""
+    written_inputs: list[tuple[str, str]] = field(default_factory=list)
+    """(placeholder node name, the node whose value is its last in-place write): the step
+    inputs the forward writes in place. The stages run on a copy of each, and the value the
+    last write leaves is copied into the caller's tensor after the forward, as plain
+    training leaves it, while recomputations read the copy as the schedule left it."""
 
 
 def compile_stages(
@@ -516,14 +586,41 @@ def compile_stages(
         raise ValueError(f"the schedule has {len(schedule.stages)} stages, the plan {len(plan.stages)}")
     stage = _assign_stages(graph, plan, charge, owner)
     graph = _copy_graph(graph)
+    last_write = _last_input_writes(graph, owner)
     rewritten: list[str] = []
     if schedule.rewritten:
         rewritten = _functionalize_inplace(graph, stage, set(schedule.rewritten), owner)
+    by_name = {n.name: n for n in graph.nodes}
+    written_inputs = []
+    for placeholder, write in last_write.items():
+        node = by_name[write]
+        # A rewritten setitem writes a clone, its first argument now (it returns None).
+        final = node.args[0] if node.target is operator.setitem else node
+        if isinstance(final, fx.Node):
+            written_inputs.append((placeholder, final.name))
     members: list[list[fx.Node]] = [[] for _ in plan.stages]
     for node in graph.nodes:
         if node.name in stage:
             members[stage[node.name]].append(node)
     kept = [_kept_nodes(nodes, s.kept, charge or {}) for nodes, s in zip(members, schedule.stages)]
-    programs, output = _build_programs(graph, stage, owner, members, schedule, kept)
+    programs, output = _build_programs(graph, stage, owner, members, schedule, kept,
+                                       {final for _, final in written_inputs})
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
-    return CompiledStages(programs, output, placeholders, rewritten)
+    return CompiledStages(programs, output, placeholders, rewritten, written_inputs)
+
+
+def _last_input_writes(graph: fx.Graph, owner: nn.Module) -> dict[str, str]:
+    """Placeholder name -> the last node writing it in place, following chains of in-place
+    ops (``x.sub_(m).div_(s)``: the tracer points the later readers of a written tensor at
+    its writer, ``trace.readers_follow_inplace``)."""
+    root: dict[fx.Node, fx.Node] = {}
+    last: dict[str, str] = {}
+    for node in graph.nodes:
+        operand = mutated_operand(node, owner) if node.op != "placeholder" else None
+        if operand is None:
+            continue
+        base = root.get(operand, operand)
+        root[node] = base
+        if base.op == "placeholder":
+            last[base.name] = node.name
+    return last
