@@ -140,4 +140,18 @@ def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
             return "/".join(leaves[0][1:]) if leaves else "unknown"
         changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
                                 f"-> {show(precision_new)}")
+    state_old = [leaf for leaf in old if _is_state(leaf)]
+    state_new = [leaf for leaf in new if _is_state(leaf)]
+    if state_old != state_new and state_new:
+        names, values = state_new[0][1], state_new[0][2]
+        before = dict(zip(state_old[0][1], state_old[0][2])) if state_old else {}
+        moved = [f"{name} {before[name]} -> {value}" for name, value in zip(names, values)
+                 if name in before and before[name] != value]
+        changes["state"] = ("the module's attributes its forward read when captured "
+                            + (", ".join(moved) if moved else "(guarded from now on)"))
     return changes or {"arguments": "non-tensor arguments"}
+
+
+def _is_state(leaf: Hashable) -> bool:
+    """A key's leaf of guarded attribute values (the planner's :meth:`key`)."""
+    return isinstance(leaf, tuple) and leaf[:1] == ("state",)

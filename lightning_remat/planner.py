@@ -58,6 +58,7 @@ from lightning_remat.device import (
 from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError, warn_caller
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.meaning import StateRead, read_state
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
     CHILDREN,
@@ -356,8 +357,23 @@ class Planner:
 
     def key(self, args: tuple, kwargs: dict) -> InputKey:
         """The call's :func:`~lightning_remat.inputs.input_key` and the precision it runs at
-        (:func:`~lightning_remat.inputs.precision_leaf`)."""
-        return (precision_leaf(self.module), *input_key(self._signature, args, kwargs))
+        (:func:`~lightning_remat.inputs.precision_leaf`), and, once a capture read plain Python
+        values from the module's attributes, their values now (the guards a captured graph
+        needs: a call where one differs is captured and planned again, as Dynamo recompiles;
+        docs/design.md section 3)."""
+        key = (precision_leaf(self.module), *input_key(self._signature, args, kwargs))
+        guarded = getattr(self, "_guarded", None)
+        if guarded:
+            key = (*key, ("state", tuple(f"{r.module}.{r.attribute}".lstrip(".") for r in guarded.values()),
+                          read_state(self.module, list(guarded.values()))))
+        return key
+
+    def _guard(self, traced: Traced) -> None:
+        """Guard from now on the attribute values ``traced``'s capture read."""
+        if not hasattr(self, "_guarded"):
+            self._guarded: dict[tuple[str, str], StateRead] = {}
+        for read in traced.state_reads:
+            self._guarded.setdefault((read.module, read.attribute), read)
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new. Under DDP a
@@ -403,6 +419,8 @@ class Planner:
             # profile under torch.profiler and keep the planner's own meter from starting.
             with guard, sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
+                # The capture may have found attribute values to guard: the key holds them.
+                key = entry.key = self.key(args, kwargs)
                 self._check_new_plan(entry, args, kwargs)
         finally:
             self.busy = False
@@ -610,6 +628,7 @@ class Planner:
             self.progress("trace: the forward's graph")
         with preserved_state(module, [device]):
             traced = (self.tracer or trace_module)(module, args, kwargs)
+        self._guard(traced)
         basis = PlanBasis(
             graph_hash=traced.graph.graph_hash(), input_key=repr(without_precision(key)),
             device_name=device_name(device), budget=repr(settings.memory_budget),

@@ -70,6 +70,7 @@ from lightning_remat.graph.effects import (
 )
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
+from lightning_remat.graph.meaning import MeaningLostError, StateRead, lost_meaning
 from lightning_remat.graph.ops import draws_random, mutated_operand
 
 __all__ = [
@@ -199,6 +200,11 @@ class Traced:
     """The pytree structure of the module's own output on the example call. fx records an
     ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict; an exported graph
     returns the output's flat leaves, which this structure rebuilds."""
+    state_reads: list[StateRead] = field(default_factory=list)
+    """The plain Python values the forward read from the module's attributes, which a
+    captured graph is specialised to (:mod:`lightning_remat.graph.meaning`): the planner
+    captures and plans again when one changes. Empty for the fallback, whose own forward
+    reads them live."""
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -627,6 +633,13 @@ def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs:
             "the traced graph's output differs from module(...) on the example input "
             "(Python control flow was specialised at trace time)"
         )
+    # The output check runs without grad: grad-mode regions and custom autograd functions
+    # the graph does not replay are found by running both with grad (graph.meaning).
+    lost, traced.state_reads = lost_meaning(
+        module, lambda: module(*inputs, **kwargs),
+        lambda: call_through(module, lambda: fx.Interpreter(gm).run(*args)), devices)
+    if lost:
+        raise MeaningLostError(f"a captured graph would drop {'; '.join(lost)}")
     if traced.kind != EXPORT:  # export's own spec is over its flat output leaves
         traced.output_spec = pytree.tree_structure(expected)
     traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
@@ -738,10 +751,14 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
 
 def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
     devices = _devices_of(module, list(inputs) + list(kwargs.values()))
+    lost = ""
     try:
         return _trace_fx(module, inputs, kwargs, devices)
     except SideEffectError as exc:  # the model's own forward keeps what fx cannot
         fx_reason = str(exc)
+        effects = True
+    except MeaningLostError as exc:  # export keeps neither grad modes nor custom functions
+        fx_reason = lost = str(exc)
         effects = True
     except TraceError:
         raise
@@ -761,6 +778,12 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     try:
         traced = _trace_children(module, inputs, kwargs, devices)
     except Exception as exc:
+        if lost:
+            raise TraceError(
+                f"cannot train {type(module).__name__} as its forward means: {lost}, and its own "
+                f"forward cannot run with its submodules checkpointed in place instead: {exc}. Move "
+                "that construct into a submodule's forward, called once (its forward then runs as "
+                "written), or leave the module unplanned; the module is unchanged") from None
         if effects:
             raise SideEffectError(
                 f"cannot capture {type(module).__name__}: {fx_reason}; and its own forward cannot "
