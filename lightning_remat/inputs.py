@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "precision_leaf",
+    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "moved_state", "precision_leaf",
     "same_values", "shapes_of", "without_precision",
 ]
 
@@ -140,16 +140,23 @@ def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
             return "/".join(leaves[0][1:]) if leaves else "unknown"
         changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
                                 f"-> {show(precision_new)}")
+    moved = moved_state(old, new)
+    if moved:
+        changes["state"] = "the module's attributes its forward read when captured: " + ", ".join(
+            f"{name} {before} -> {after}" for name, (before, after) in moved.items())
+    return changes or {"arguments": "non-tensor arguments"}
+
+
+def moved_state(old: InputKey, new: InputKey) -> dict[str, tuple[str, str]]:
+    """The guarded attributes (the planner's key) whose values differ between two keys:
+    name -> (value in ``old``, value in ``new``)."""
     state_old = [leaf for leaf in old if _is_state(leaf)]
     state_new = [leaf for leaf in new if _is_state(leaf)]
-    if state_old != state_new and state_new:
-        names, values = state_new[0][1], state_new[0][2]
-        before = dict(zip(state_old[0][1], state_old[0][2])) if state_old else {}
-        moved = [f"{name} {before[name]} -> {value}" for name, value in zip(names, values)
-                 if name in before and before[name] != value]
-        changes["state"] = ("the module's attributes its forward read when captured "
-                            + (", ".join(moved) if moved else "(guarded from now on)"))
-    return changes or {"arguments": "non-tensor arguments"}
+    if not state_old or not state_new:
+        return {}
+    before = dict(zip(state_old[0][1], state_old[0][2]))
+    return {name: (before[name], value) for name, value in zip(state_new[0][1], state_new[0][2])
+            if name in before and before[name] != value}
 
 
 def _is_state(leaf: Hashable) -> bool:

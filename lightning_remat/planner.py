@@ -55,7 +55,12 @@ from lightning_remat.device import (
     module_device,
     move_to_device,
 )
-from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError, warn_caller
+from lightning_remat.errors import (
+    RematInfeasibleError,
+    SolverDeclinedError,
+    TraceError,
+    warn_caller,
+)
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.meaning import StateRead, read_state
@@ -73,6 +78,7 @@ from lightning_remat.inputs import (
     autocast_state,
     input_key,
     key_changes,
+    moved_state,
     precision_leaf,
     same_values,
     without_precision,
@@ -375,6 +381,38 @@ class Planner:
         for read in traced.state_reads:
             self._guarded.setdefault((read.module, read.attribute), read)
 
+    _STATE_CHANGES_KEPT = 2
+    """How many times a guarded attribute may change (each a new capture and plan) before the
+    forward runs as its own, which reads it live (as Dynamo falls back to eager past its
+    recompile limit)."""
+
+    def _count_state_changes(self, old: InputKey, new: InputKey) -> None:
+        """Note the guarded attributes whose values differ between two keys; past
+        :attr:`_STATE_CHANGES_KEPT` changes of one, later captures take the own forward."""
+        counts = self.__dict__.setdefault("_state_changes", {})
+        for name in moved_state(old, new):
+            counts[name] = counts.get(name, 0) + 1
+            if counts[name] >= self._STATE_CHANGES_KEPT and not getattr(self, "_own_forward", ""):
+                self._own_forward = (f"its attribute {name} changed on {counts[name]} calls, and a captured "
+                                     "graph is specialised to the value it read")
+
+    def _trace(self, module: nn.Module, args: tuple, kwargs: dict) -> Traced:
+        """The capture of a call (the planner's ``tracer``, else :func:`trace_module`); once a
+        guarded attribute keeps changing, the module's own forward with its submodules as
+        vertices, which reads it live (a forward that cannot run so keeps its guards)."""
+        if self.tracer is not None:
+            return self.tracer(module, args, kwargs)
+        because = getattr(self, "_own_forward", "")
+        if because:
+            try:
+                traced = trace_module(module, args, kwargs, own_forward_because=because)
+            except TraceError:
+                self._own_forward = ""
+            else:
+                self._guarded = {}  # the own forward reads the attributes itself
+                return traced
+        return trace_module(module, args, kwargs)
+
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new. Under DDP a
         collective: every rank calls it once per training call."""
@@ -392,6 +430,8 @@ class Planner:
         """Plan ``key`` and make it the variant its calls run. ``exchange``: the talk with
         the other ranks about this key (None: this rank plans it for itself)."""
         changes = key_changes(next(reversed(self.planned)), key) if self.planned else {}
+        if self.planned:
+            self._count_state_changes(next(reversed(self.planned)), key)
         if changes.keys() - self._warned_about:
             # Once per kind of change: a run of short last batches warns once, a later change
             # of dtype or precision warns again.
@@ -599,7 +639,7 @@ class Planner:
                         "the plan stays; raise memory_budget")
             return
         with preserved_state(self.module, [device]):
-            traced = (self.tracer or trace_module)(self.module, args, kwargs)
+            traced = self._trace(self.module, args, kwargs)
         if traced.kind == CHILDREN:
             plan = per_submodule_plan(graph, plan, budget)
         if not any(note.startswith("capture: ") for note in plan.notes):
@@ -627,7 +667,7 @@ class Planner:
         if self.progress is not None:
             self.progress("trace: the forward's graph")
         with preserved_state(module, [device]):
-            traced = (self.tracer or trace_module)(module, args, kwargs)
+            traced = self._trace(module, args, kwargs)
         self._guard(traced)
         basis = PlanBasis(
             graph_hash=traced.graph.graph_hash(), input_key=repr(without_precision(key)),

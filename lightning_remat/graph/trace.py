@@ -727,7 +727,8 @@ def _trace_children(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str
                   charge={name: name for name, _ in units}, repeated=repeated)
 
 
-def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Traced:
+def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None,
+                 *, own_forward_because: str = "") -> Traced:
     """Trace ``module``'s forward into a :class:`Traced` (fx graph + IR graph with zero costs).
 
     ``example_inputs`` is a tensor or a tuple of positional inputs; ``example_kwargs`` the
@@ -736,6 +737,8 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     (:mod:`lightning_remat.graph.export`); when that fails too, falls back to the submodules
     the forward calls (with a ``UserWarning`` naming the module and both reasons); raises
     :class:`~lightning_remat.errors.TraceError` when that cannot apply either.
+    ``own_forward_because``: go straight to the fallback, for this reason (the planner's
+    when the attribute values a captured graph is specialised to keep changing).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
@@ -744,15 +747,17 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     # Capture never changes the module: whatever its forward assigns or updates is put back.
     state = ModuleState(module, values=False, skip=is_sharded_unit)
     try:
-        return _trace_module(module, inputs, kwargs)
+        return _trace_module(module, inputs, kwargs, own_forward_because)
     finally:
         state.restore()
 
 
-def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], own_forward_because: str = "") -> Traced:
     devices = _devices_of(module, list(inputs) + list(kwargs.values()))
     lost = ""
     try:
+        if own_forward_because:
+            raise MeaningLostError(own_forward_because)
         return _trace_fx(module, inputs, kwargs, devices)
     except SideEffectError as exc:  # the model's own forward keeps what fx cannot
         fx_reason = str(exc)
