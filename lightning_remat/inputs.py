@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "moved_state", "precision_leaf",
-    "same_values", "shapes_of", "without_precision",
+    "same_values", "shapes_of", "stored_key", "without_precision",
 ]
 
 InputKey = tuple
@@ -103,6 +103,13 @@ def is_precision(leaf: Hashable) -> bool:
 def without_precision(key: InputKey) -> InputKey:
     """The key less its precision (which a plan's basis records on its own)."""
     return tuple(leaf for leaf in key if not is_precision(leaf))
+
+
+def stored_key(key: InputKey) -> str:
+    """The text a stored plan (a checkpoint's, the cache's basis) is filed under: the key
+    less the guarded attribute values, which a fresh process learns only when it captures;
+    the stored graph's hash, checked against the new capture's, tells the branches apart."""
+    return repr(tuple(leaf for leaf in key if not _is_state(leaf)))
 
 
 def _is_tensor(leaf: Hashable) -> bool:

@@ -81,6 +81,7 @@ from lightning_remat.inputs import (
     moved_state,
     precision_leaf,
     same_values,
+    stored_key,
     without_precision,
 )
 from lightning_remat.messages import (
@@ -670,7 +671,7 @@ class Planner:
             traced = self._trace(module, args, kwargs)
         self._guard(traced)
         basis = PlanBasis(
-            graph_hash=traced.graph.graph_hash(), input_key=repr(without_precision(key)),
+            graph_hash=traced.graph.graph_hash(), input_key=stored_key(without_precision(key)),
             device_name=device_name(device), budget=repr(settings.memory_budget),
             solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
             param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
@@ -701,7 +702,7 @@ class Planner:
         profile with it)."""
         if repr(key) in self.agreed:
             return self.agreed[repr(key)].unpack()
-        stored, explained = self._restored_for(repr(key), basis)
+        stored, explained = self._restored_for(stored_key(key), basis)
         if stored is not None:
             return Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json), True
         if self.cache is not None:

@@ -30,6 +30,7 @@ and planned again (:meth:`lightning_remat.planner.Planner.key`).
 from __future__ import annotations
 
 import linecache
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -43,16 +44,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from lightning_remat.device import is_sharded_unit
-from lightning_remat.graph.effects import (
-    _MODULE_INTERNALS,
-    _SKIPPED_FILES,
-    ModuleState,
-    preserved_state,
-)
+from lightning_remat.graph.effects import ModuleState, preserved_state
 
 __all__ = ["ForwardEvents", "MeaningLostError", "StateRead", "lost_meaning", "read_state", "state_reads"]
 
 _SCALARS = (bool, int, float, str, type(None))
+
+_SKIPPED_FILES = (os.path.dirname(torch.__file__) + os.sep,
+                  os.path.dirname(os.path.dirname(__file__)) + os.sep)
+"""Frames of torch and of this package: a construct's line is the first frame outside them."""
 
 
 class MeaningLostError(RuntimeError):
@@ -184,9 +184,9 @@ class StateRead:
     where: str = field(default="", compare=False)
 
 
-_EXCLUDED = _MODULE_INTERNALS | {"training"}
-"""Not guarded: torch's own tables and the training flag (a plan's mode is handled by the
-executor: outside training the module's own forward or the graph's leaves read it live)."""
+_EXCLUDED = frozenset(nn.Module().__dict__) | {"forward"}
+"""Not guarded: torch's own tables, the training flag among them (the executor handles a
+plan's mode: outside training the module's own forward or the graph's leaves read it live)."""
 
 
 def _reading_class(cls: type, record: Callable[[nn.Module, str, Any], None]) -> type:

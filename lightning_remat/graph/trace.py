@@ -43,6 +43,13 @@ running, with its control flow, and the submodules it calls exactly once become 
 (:mod:`lightning_remat.runtime.hooked`). A ``UserWarning`` says why fx and export failed. When the
 forward calls no submodule once (or fails on the example input), :class:`TraceError` names
 the module class, what fx rejected and why the fallback cannot apply.
+
+A graph that gives ``module(x)``'s output must also train as the forward does: the forward
+and the graph's replay run again with grad (:mod:`lightning_remat.graph.meaning`), and a
+grad-mode region or custom autograd function the graph drops sends the forward to the
+fallback without trying export (which keeps neither), or is refused naming the module, the
+construct and its line. The plain attribute values the forward read are the capture's
+guards (:attr:`Traced.state_reads`; docs/design.md section 3, "What the capture keeps").
 """
 
 from __future__ import annotations
