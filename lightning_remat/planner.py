@@ -63,7 +63,7 @@ from lightning_remat.errors import (
 )
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.meaning import StateRead, read_state
+from lightning_remat.graph.meaning import StateRead, guard_owners, read_state
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
     CHILDREN,
@@ -368,19 +368,23 @@ class Planner:
         values from the module's attributes, their values now (the guards a captured graph
         needs: a call where one differs is captured and planned again, as Dynamo recompiles;
         docs/design.md section 3)."""
-        key = (precision_leaf(self.module), *input_key(self._signature, args, kwargs))
-        guarded = getattr(self, "_guarded", None)
-        if guarded:
-            key = (*key, ("state", tuple(f"{r.module}.{r.attribute}".lstrip(".") for r in guarded.values()),
-                          read_state(self.module, list(guarded.values()))))
-        return key
+        inputs = input_key(self._signature, args, kwargs)
+        guards = getattr(self, "_guards", None)
+        if guards:
+            return (precision_leaf(self.module), ("state", guards[0], read_state(guards[1])), *inputs)
+        return (precision_leaf(self.module), *inputs)
 
-    def _guard(self, traced: Traced) -> None:
-        """Guard from now on the attribute values ``traced``'s capture read."""
-        if not hasattr(self, "_guarded"):
+    def _guard(self, traced: Traced | None) -> None:
+        """Guard from now on the attribute values ``traced``'s capture read (None: guard
+        nothing from now on)."""
+        if traced is None or not hasattr(self, "_guarded"):
             self._guarded: dict[tuple[str, str], StateRead] = {}
-        for read in traced.state_reads:
+        for read in traced.state_reads if traced is not None else ():
             self._guarded.setdefault((read.module, read.attribute), read)
+        reads = list(self._guarded.values())
+        # (names, owners): what key() reads at every call, resolved once.
+        self._guards = (tuple(f"{r.module}.{r.attribute}".lstrip(".") for r in reads),
+                        guard_owners(self.module, reads)) if reads else None
 
     _STATE_CHANGES_KEPT = 2
     """How many times a guarded attribute may change (each a new capture and plan) before the
@@ -410,7 +414,7 @@ class Planner:
             except TraceError:
                 self._own_forward = ""
             else:
-                self._guarded = {}  # the own forward reads the attributes itself
+                self._guard(None)  # the own forward reads the attributes itself
                 return traced
         return trace_module(module, args, kwargs)
 

@@ -46,7 +46,8 @@ from torch.utils import _pytree as pytree
 from lightning_remat.device import is_sharded_unit
 from lightning_remat.graph.effects import ModuleState, preserved_state
 
-__all__ = ["ForwardEvents", "MeaningLostError", "StateRead", "lost_meaning", "read_state", "state_reads"]
+__all__ = ["ForwardEvents", "MeaningLostError", "StateRead", "guard_owners", "lost_meaning", "read_state",
+           "state_reads"]
 
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -184,8 +185,8 @@ class StateRead:
     where: str = field(default="", compare=False)
 
 
-_EXCLUDED = frozenset(nn.Module().__dict__) | {"forward"}
-"""Not guarded: torch's own tables, the training flag among them (the executor handles a
+_EXCLUDED = frozenset(nn.Module().__dict__) | frozenset(vars(nn.Module)) | {"forward"}
+"""Not guarded: torch's own tables and class attributes, the training flag among them (the executor handles a
 plan's mode: outside training the module's own forward or the graph's leaves read it live)."""
 
 
@@ -209,8 +210,9 @@ def state_reads(module: nn.Module) -> Iterator[dict[tuple[str, str], StateRead]]
     reads: dict[tuple[str, str], StateRead] = {}
 
     def record(owner: nn.Module, attribute: str, value: Any) -> None:
-        key = (names.get(id(owner), "?"), attribute)
-        if key not in reads:
+        name = names.get(id(owner))
+        key = (name, attribute)
+        if name is not None and key not in reads:
             reads[key] = StateRead(key[0], attribute, value, _line_of(sys._getframe(2)))
 
     swapped: list[tuple[nn.Module, type]] = []
@@ -233,14 +235,25 @@ def state_reads(module: nn.Module) -> Iterator[dict[tuple[str, str], StateRead]]
             sub.__class__ = cls
 
 
-def read_state(module: nn.Module, reads: Sequence[StateRead]) -> tuple[Any, ...]:
-    """The current value of each of ``reads``' attributes (``repr``; a read that raises now
-    gives the exception's type), for the planner's key."""
-    values = []
+def guard_owners(module: nn.Module, reads: Sequence[StateRead]) -> list[tuple[nn.Module | None, str]]:
+    """Each read's module (None where ``module`` has no such submodule now) and attribute,
+    resolved once for :func:`read_state`."""
+    owners: list[tuple[nn.Module | None, str]] = []
     for read in reads:
         try:
-            owner = module.get_submodule(read.module) if read.module else module
-            values.append(repr(getattr(owner, read.attribute)))
+            owners.append((module.get_submodule(read.module) if read.module else module, read.attribute))
+        except AttributeError:
+            owners.append((None, read.attribute))
+    return owners
+
+
+def read_state(owners: Sequence[tuple[nn.Module | None, str]]) -> tuple[str, ...]:
+    """The current value of each attribute of :func:`guard_owners` (``repr``; a read that
+    raises now gives the exception's type), for the planner's key."""
+    values = []
+    for owner, attribute in owners:
+        try:
+            values.append(repr(getattr(owner, attribute)))
         except Exception as exc:  # noqa: BLE001 - a property may raise outside training
             values.append(f"<{type(exc).__name__}>")
     return tuple(values)

@@ -641,10 +641,13 @@ def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs:
             "(Python control flow was specialised at trace time)"
         )
     # The output check runs without grad: grad-mode regions and custom autograd functions
-    # the graph does not replay are found by running both with grad (graph.meaning).
-    lost, traced.state_reads = lost_meaning(
-        module, lambda: module(*inputs, **kwargs),
-        lambda: call_through(module, lambda: fx.Interpreter(gm).run(*args)), devices)
+    # the graph does not replay are found by running both with grad (graph.meaning). Not
+    # under FSDP, whose units expect a backward after each forward with grad.
+    lost: list[str] = []
+    if not any(is_sharded_unit(m) for m in module.modules()):
+        lost, traced.state_reads = lost_meaning(
+            module, lambda: module(*inputs, **kwargs),
+            lambda: call_through(module, lambda: fx.Interpreter(gm).run(*args)), devices)
     if lost:
         raise MeaningLostError(f"a captured graph would drop {'; '.join(lost)}")
     if traced.kind != EXPORT:  # export's own spec is over its flat output leaves
