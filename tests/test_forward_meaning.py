@@ -323,3 +323,18 @@ def test_strategy_keeps_no_grad_and_the_step_branch(tmp_path):
     for name in ("net.teacher.weight", "net.teacher.bias"):
         torch.testing.assert_close(planned.state_dict()[name], initial[name], rtol=0, atol=0)
     assert not torch.equal(planned.state_dict()["net.l1.weight"], initial["net.l1.weight"])
+
+
+@pytest.mark.parametrize("cls, construct, line", [
+    (NoGrad, "torch.no_grad()", "t = self.teacher(x)"),
+    (InferenceMode, "torch.inference_mode()", "t = self.teacher(x)"),
+    (Straight, "custom autograd function Round", "Round.apply(self.hidden(x) * 4)"),
+])
+def test_the_warning_names_the_construct_and_its_line(cls, construct, line):
+    from lightning_remat.graph.trace import CHILDREN, trace_module
+
+    with pytest.warns(UserWarning) as caught:
+        traced = trace_module(cls(), torch.randn(4, WIDTH))
+    assert traced.kind == CHILDREN and not traced.state_reads
+    said = " ".join(str(w.message) for w in caught)
+    assert construct in said and line in said and "test_forward_meaning.py" in said
