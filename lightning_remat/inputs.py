@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "precision_leaf",
-    "same_values", "shapes_of", "without_precision",
+    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "moved_state", "precision_leaf",
+    "same_values", "shapes_of", "stored_key", "without_precision",
 ]
 
 InputKey = tuple
@@ -105,6 +105,13 @@ def without_precision(key: InputKey) -> InputKey:
     return tuple(leaf for leaf in key if not is_precision(leaf))
 
 
+def stored_key(key: InputKey) -> str:
+    """The text a stored plan (a checkpoint's, the cache's basis) is filed under: the key
+    less the guarded attribute values, which a fresh process learns only when it captures;
+    the stored graph's hash, checked against the new capture's, tells the branches apart."""
+    return repr(tuple(leaf for leaf in key if not _is_state(leaf)))
+
+
 def _is_tensor(leaf: Hashable) -> bool:
     return isinstance(leaf, tuple) and leaf[:1] == (_TENSOR,)
 
@@ -140,4 +147,25 @@ def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
             return "/".join(leaves[0][1:]) if leaves else "unknown"
         changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
                                 f"-> {show(precision_new)}")
+    moved = moved_state(old, new)
+    if moved:
+        changes["state"] = "the module's attributes its forward read when captured: " + ", ".join(
+            f"{name} {before} -> {after}" for name, (before, after) in moved.items())
     return changes or {"arguments": "non-tensor arguments"}
+
+
+def moved_state(old: InputKey, new: InputKey) -> dict[str, tuple[str, str]]:
+    """The guarded attributes (the planner's key) whose values differ between two keys:
+    name -> (value in ``old``, value in ``new``)."""
+    state_old = [leaf for leaf in old if _is_state(leaf)]
+    state_new = [leaf for leaf in new if _is_state(leaf)]
+    if not state_old or not state_new:
+        return {}
+    before = dict(zip(state_old[0][1], state_old[0][2]))
+    return {name: (before[name], value) for name, value in zip(state_new[0][1], state_new[0][2])
+            if name in before and before[name] != value}
+
+
+def _is_state(leaf: Hashable) -> bool:
+    """A key's leaf of guarded attribute values (the planner's :meth:`key`)."""
+    return isinstance(leaf, tuple) and leaf[:1] == ("state",)

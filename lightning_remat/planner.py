@@ -53,9 +53,15 @@ from lightning_remat.device import (
     module_device,
     move_to_device,
 )
-from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError, warn_caller
+from lightning_remat.errors import (
+    RematInfeasibleError,
+    SolverDeclinedError,
+    TraceError,
+    warn_caller,
+)
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.meaning import StateRead, guard_owners, read_state
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import (
     CHILDREN,
@@ -71,8 +77,10 @@ from lightning_remat.inputs import (
     autocast_state,
     input_key,
     key_changes,
+    moved_state,
     precision_leaf,
     same_values,
+    stored_key,
     without_precision,
 )
 from lightning_remat.messages import (
@@ -355,8 +363,59 @@ class Planner:
 
     def key(self, args: tuple, kwargs: dict) -> InputKey:
         """The call's :func:`~lightning_remat.inputs.input_key` and the precision it runs at
-        (:func:`~lightning_remat.inputs.precision_leaf`)."""
-        return (precision_leaf(self.module), *input_key(self._signature, args, kwargs))
+        (:func:`~lightning_remat.inputs.precision_leaf`), and, once a capture read plain Python
+        values from the module's attributes, their values now (the guards a captured graph
+        needs: a call where one differs is captured and planned again, as Dynamo recompiles;
+        docs/design.md section 3)."""
+        inputs = input_key(self._signature, args, kwargs)
+        guards = getattr(self, "_guards", None)
+        if guards:
+            return (precision_leaf(self.module), ("state", guards[0], read_state(guards[1])), *inputs)
+        return (precision_leaf(self.module), *inputs)
+
+    def _guard(self, traced: Traced | None) -> None:
+        """Guard from now on the attribute values ``traced``'s capture read (None: guard
+        nothing from now on)."""
+        if traced is None or not hasattr(self, "_guarded"):
+            self._guarded: dict[tuple[str, str], StateRead] = {}
+        for read in traced.state_reads if traced is not None else ():
+            self._guarded.setdefault((read.module, read.attribute), read)
+        reads = list(self._guarded.values())
+        # (names, owners): what key() reads at every call, resolved once.
+        self._guards = (tuple(f"{r.module}.{r.attribute}".lstrip(".") for r in reads),
+                        guard_owners(self.module, reads)) if reads else None
+
+    _STATE_CHANGES_KEPT = 2
+    """How many times a guarded attribute may change (each a new capture and plan) before the
+    forward runs as its own, which reads it live (as Dynamo falls back to eager past its
+    recompile limit)."""
+
+    def _count_state_changes(self, old: InputKey, new: InputKey) -> None:
+        """Note the guarded attributes whose values differ between two keys; past
+        :attr:`_STATE_CHANGES_KEPT` changes of one, later captures take the own forward."""
+        counts = self.__dict__.setdefault("_state_changes", {})
+        for name in moved_state(old, new):
+            counts[name] = counts.get(name, 0) + 1
+            if counts[name] >= self._STATE_CHANGES_KEPT and not getattr(self, "_own_forward", ""):
+                self._own_forward = (f"its attribute {name} changed on {counts[name]} calls, and a captured "
+                                     "graph is specialised to the value it read")
+
+    def _trace(self, module: nn.Module, args: tuple, kwargs: dict) -> Traced:
+        """The capture of a call (the planner's ``tracer``, else :func:`trace_module`); once a
+        guarded attribute keeps changing, the module's own forward with its submodules as
+        vertices, which reads it live (a forward that cannot run so keeps its guards)."""
+        if self.tracer is not None:
+            return self.tracer(module, args, kwargs)
+        because = getattr(self, "_own_forward", "")
+        if because:
+            try:
+                traced = trace_module(module, args, kwargs, own_forward_because=because)
+            except TraceError:
+                self._own_forward = ""
+            else:
+                self._guard(None)  # the own forward reads the attributes itself
+                return traced
+        return trace_module(module, args, kwargs)
 
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new. Under DDP a
@@ -375,6 +434,8 @@ class Planner:
         """Plan ``key`` and make it the variant its calls run. ``exchange``: the talk with
         the other ranks about this key (None: this rank plans it for itself)."""
         changes = key_changes(next(reversed(self.planned)), key) if self.planned else {}
+        if self.planned:
+            self._count_state_changes(next(reversed(self.planned)), key)
         if changes.keys() - self._warned_about:
             # Once per kind of change: a run of short last batches warns once, a later change
             # of dtype or precision warns again.
@@ -408,6 +469,8 @@ class Planner:
             # profile under torch.profiler and keep the planner's own meter from starting.
             with guard, sharded_gradients_kept(self.module), meter.paused():
                 entry = self._plan(args, kwargs, key, exchange)
+                # The capture may have found attribute values to guard: the key holds them.
+                key = entry.key = self.key(args, kwargs)
                 self._check_new_plan(entry, args, kwargs)
         finally:
             self.busy = False
@@ -586,7 +649,7 @@ class Planner:
                         "the plan stays; raise memory_budget")
             return
         with preserved_state(self.module, [device]):
-            traced = (self.tracer or trace_module)(self.module, args, kwargs)
+            traced = self._trace(self.module, args, kwargs)
         if traced.kind == CHILDREN:
             plan = per_submodule_plan(graph, plan, budget)
         if not any(note.startswith("capture: ") for note in plan.notes):
@@ -614,9 +677,10 @@ class Planner:
         if self.progress is not None:
             self.progress("trace: the forward's graph")
         with preserved_state(module, [device]):
-            traced = (self.tracer or trace_module)(module, args, kwargs)
+            traced = self._trace(module, args, kwargs)
+        self._guard(traced)
         basis = PlanBasis(
-            graph_hash=traced.graph.graph_hash(), input_key=repr(without_precision(key)),
+            graph_hash=traced.graph.graph_hash(), input_key=stored_key(without_precision(key)),
             device_name=device_name(device), budget=repr(settings.memory_budget),
             solver=settings.solver + repr(sorted(options.items())), autocast=autocast_state(device),
             param_dtype=parameter_dtypes(module), torch_version=str(torch.__version__),
@@ -649,7 +713,7 @@ class Planner:
             return self.agreed[repr(key)].unpack()
         module, settings = self.module, self.settings
         device = module_device(module, args)
-        stored, explained = self._restored_for(repr(key), basis)
+        stored, explained = self._restored_for(stored_key(key), basis)
         if stored is not None:
             checked = self._trusted(Graph.from_json(stored.graph_json), Plan.from_json(stored.plan_json),
                                     "checkpoint", device, traced.kind == CHILDREN)

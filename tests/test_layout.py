@@ -20,6 +20,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.ir",),
     ("graph.ops",),
     ("graph.effects",),
+    ("graph.meaning",),
     ("graph.export",),
     ("graph.trace",),
     ("graph.instruments",),

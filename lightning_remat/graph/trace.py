@@ -43,6 +43,13 @@ running, with its control flow, and the submodules it calls exactly once become 
 (:mod:`lightning_remat.runtime.hooked`). A ``UserWarning`` says why fx and export failed. When the
 forward calls no submodule once (or fails on the example input), :class:`TraceError` names
 the module class, what fx rejected and why the fallback cannot apply.
+
+A graph that gives ``module(x)``'s output must also train as the forward does: the forward
+and the graph's replay run again with grad (:mod:`lightning_remat.graph.meaning`), and a
+grad-mode region or custom autograd function the graph drops sends the forward to the
+fallback without trying export (which keeps neither), or is refused naming the module, the
+construct and its line. The plain attribute values the forward read are the capture's
+guards (:attr:`Traced.state_reads`; docs/design.md section 3, "What the capture keeps").
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from lightning_remat.graph.effects import (
 )
 from lightning_remat.graph.export import export_graph_module
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
+from lightning_remat.graph.meaning import MeaningLostError, StateRead, lost_meaning
 from lightning_remat.graph.ops import draws_random, mutated_operand, viewed_operand
 
 __all__ = [
@@ -204,6 +212,11 @@ class Traced:
     """The pytree structure of the module's own output on the example call. fx records an
     ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict; an exported graph
     returns the output's flat leaves, which this structure rebuilds."""
+    state_reads: list[StateRead] = field(default_factory=list)
+    """The plain Python values the forward read from the module's attributes, which a
+    captured graph is specialised to (:mod:`lightning_remat.graph.meaning`): the planner
+    captures and plans again when one changes. Empty for the fallback, whose own forward
+    reads them live."""
     _signature_names: list[str] = field(default_factory=list, repr=False)
     _defaults: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -690,6 +703,16 @@ def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs:
             "the traced graph's output differs from module(...) on the example input "
             "(Python control flow was specialised at trace time)"
         )
+    # The output check runs without grad: grad-mode regions and custom autograd functions
+    # the graph does not replay are found by running both with grad (graph.meaning). Not
+    # under FSDP, whose units expect a backward after each forward with grad.
+    lost: list[str] = []
+    if not any(is_sharded_unit(m) for m in module.modules()):
+        lost, traced.state_reads = lost_meaning(
+            module, lambda: module(*inputs, **kwargs),
+            lambda: call_through(module, lambda: fx.Interpreter(gm).run(*args)), devices)
+    if lost:
+        raise MeaningLostError(f"a captured graph would drop {'; '.join(lost)}")
     if traced.kind != EXPORT:  # export's own spec is over its flat output leaves
         traced.output_spec = pytree.tree_structure(expected)
     traced.graph, traced.charge = build_fx_graph(gm, recorder.kind)
@@ -777,7 +800,8 @@ def _trace_children(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str
                   charge={name: name for name, _ in units}, repeated=repeated)
 
 
-def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None) -> Traced:
+def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[str, Any] | None = None,
+                 *, own_forward_because: str = "") -> Traced:
     """Trace ``module``'s forward into a :class:`Traced` (fx graph + IR graph with zero costs).
 
     ``example_inputs`` is a tensor or a tuple of positional inputs; ``example_kwargs`` the
@@ -786,6 +810,8 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     (:mod:`lightning_remat.graph.export`); when that fails too, falls back to the submodules
     the forward calls (with a ``UserWarning`` naming the module and both reasons); raises
     :class:`~lightning_remat.errors.TraceError` when that cannot apply either.
+    ``own_forward_because``: go straight to the fallback, for this reason (the planner's
+    when the attribute values a captured graph is specialised to keep changing).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"trace_module needs a torch.nn.Module, got {type(module).__name__}")
@@ -795,7 +821,7 @@ def trace_module(module: nn.Module, example_inputs: Any, example_kwargs: dict[st
     state = ModuleState(module, values=False, skip=is_sharded_unit)
     try:
         with _torch_logs_quiet():
-            return _trace_module(module, inputs, kwargs)
+            return _trace_module(module, inputs, kwargs, own_forward_because)
     finally:
         state.restore()
 
@@ -863,12 +889,18 @@ def _as_users(error: Exception, module: nn.Module) -> Exception:
     return error
 
 
-def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Traced:
+def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], own_forward_because: str = "") -> Traced:
     devices = _devices_of(module, list(inputs) + list(kwargs.values()))
+    lost = ""
     try:
+        if own_forward_because:
+            raise MeaningLostError(own_forward_because)
         return _trace_fx(module, inputs, kwargs, devices)
     except SideEffectError as exc:  # the model's own forward keeps what fx cannot
         fx_reason = str(exc)
+        effects = True
+    except MeaningLostError as exc:  # export keeps neither grad modes nor custom functions
+        fx_reason = lost = str(exc)
         effects = True
     except TraceError:
         raise
@@ -892,6 +924,12 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     try:
         traced = _trace_children(module, inputs, kwargs, devices)
     except Exception as exc:
+        if lost:
+            raise TraceError(
+                f"cannot train {type(module).__name__} as its forward means: {lost}, and its own "
+                f"forward cannot run with its submodules checkpointed in place instead: {exc}. Move "
+                "that construct into a submodule's forward, called once (its forward then runs as "
+                "written), or leave the module unplanned; the module is unchanged") from None
         if effects:
             raise SideEffectError(
                 f"cannot capture {type(module).__name__}: {fx_reason}; and its own forward cannot "

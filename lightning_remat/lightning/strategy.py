@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
 from lightning_remat.device import default_budget, optimizer_state_made
-from lightning_remat.inputs import shapes_of
+from lightning_remat.inputs import shapes_of, stored_key
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.messages import DistributedRanks
 from lightning_remat.planner import Planned, Planner, PlanSettings
@@ -361,7 +361,7 @@ class RematHooks:
         for name, planner in self.planners.items():
             state = modules.setdefault(name, {})
             for key, entry in planner.planned.items():
-                state[repr(key)] = StoredPlan(entry.graph.to_json(), entry.plan.to_json(), entry.basis).to_dict()
+                state[stored_key(key)] = StoredPlan(entry.graph.to_json(), entry.plan.to_json(), entry.basis).to_dict()
         first = next(iter(self.planners), next(iter(modules), None))
         if first is None and None in self._restored:  # restored from before names, not yet used
             legacy = {key: stored.to_dict() for key, stored in self._restored[None].items()}  # type: ignore[index]
