@@ -84,6 +84,26 @@ class Straight(Student):
         return self.l3(Round.apply(self.hidden(x) * 4)) + self.teacher(x)
 
 
+class Quantizer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return Round.apply(self.lin(x) * 4)
+
+
+class StraightInside(Student):
+    """The custom function inside a submodule, which a plan may recompute (whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quantize = Quantizer()
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.quantize(self.hidden(x)))) + self.teacher(x)
+
+
 class Frozen(Student):
     """A Python flag the training loop turns off after the first step."""
 
@@ -191,8 +211,9 @@ def test_enable_grad_inside_trains_what_it_encloses(budget):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_custom_function_runs_its_own_backward(budget):
-    _, mine, _, _ = _train_both(Straight, budget)
+@pytest.mark.parametrize("cls", [Straight, StraightInside])
+def test_custom_function_runs_its_own_backward(cls, budget):
+    _, mine, _, _ = _train_both(cls, budget)
     # The straight-through backward passes gradient to the layers before the rounding
     # (the autograd of round would give them zeros).
     assert mine.l1.weight.grad.abs().sum() > 0
