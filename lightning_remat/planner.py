@@ -98,7 +98,12 @@ from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, s
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
 
-__all__ = ["PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
+__all__ = ["STEP_REPLANS", "PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
+
+STEP_REPLANS = 2
+"""How many times an input whose first planned step measured over its prediction is
+planned again, each new plan's step measured in turn, before a step still over its budget
+is refused (docs/design.md section 4.7)."""
 
 
 def plain_peak_bytes(graph: Graph) -> int:
@@ -317,6 +322,8 @@ class Planner:
         measures its trials' steps itself, turns it off)."""
         self._excess: dict[InputKey, tuple[int, int]] = {}
         """Keys whose first step measured over the plan: (measured peak, excess)."""
+        self._replans: dict[InputKey, int] = {}
+        """How many times each key was planned again after its first step measured over."""
         self.profiler = profiler
         self.tracer = tracer
         self.loss_fn = loss_fn
@@ -475,7 +482,9 @@ class Planner:
                 return self.last.variant
         self.last = self.planned_for(args, kwargs)
         if training and self.last.key in self._excess:
-            self._plan_again(self.last, args, kwargs, *self._excess.pop(self.last.key))
+            said = self._over_prediction(self.last, args, kwargs, *self._excess.pop(self.last.key))
+            if said:
+                warn_caller(said)
         return self.last.variant
 
     # ---- the first real step --------------------------------------------------------------
@@ -490,7 +499,8 @@ class Planner:
         measured (:mod:`~lightning_remat.runtime.stepcheck`), from its forward to the end of
         the backward its outputs start (the caller's loss included), and a step over the
         plan's prediction (its margin included) has the next call with that input plan
-        again (:meth:`_plan_again`). After the first step this costs a lookup."""
+        again (:meth:`_over_prediction`), whose first step is measured in turn. After the
+        first step this costs a lookup."""
         planned = self.last
         if planned is None or planned.variant is not variant or self.busy or not self._checks(planned):
             return run(variant)
@@ -509,7 +519,9 @@ class Planner:
         CPU meter is thread-local state the autograd engine would put back on the caller's
         thread after its backward, so it is not left running across the caller's own step
         (:mod:`~lightning_remat.runtime.stepcheck`). Over the prediction (its margin
-        included), the input is planned again at once (:meth:`_plan_again`)."""
+        included), the input is planned again at once and the new plan's step measured in
+        turn (:meth:`_over_prediction`, at most :data:`STEP_REPLANS` times); one warning
+        says so."""
         device = module_device(self.module, args)
         if device.type == "cuda" or not self._checks(planned):
             return
@@ -520,9 +532,17 @@ class Planner:
             return
         if self.loss_fn is None and not planned.graph.meta.outputs_held:
             return  # planned for a loss this planner no longer has (unpickled)
-        self._measured(planned, self._metered_step(planned, args, kwargs, device))
-        if planned.key in self._excess:
-            self._plan_again(planned, args, kwargs, *self._excess.pop(planned.key))
+        said = ""
+        while True:
+            self._measured(planned, self._metered_step(planned, args, kwargs, device))
+            if planned.key not in self._excess:
+                break
+            said = self._over_prediction(planned, args, kwargs, *self._excess.pop(planned.key)) or said
+            if planned.checked:
+                break
+        planned.checked = True
+        if said:
+            warn_caller(said)
 
     def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
         """One training step of ``planned``'s plan under the meter, as the profile took the
@@ -561,25 +581,79 @@ class Planner:
         if peak > plan.guaranteed_peak_bytes:
             self._excess[planned.key] = (int(peak), int(peak) - int(plan.predicted_peak_bytes))
 
-    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> None:
-        """Solve ``planned``'s graph again with the model's margin raised by what its first
-        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
-        plan from this call on; one warning says so."""
-        graph, old, budget = planned.graph, planned.plan, planned.budget_bytes
+    def _over_prediction(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> str:
+        """A first step measured ``peak``, ``excess`` over its plan's prediction and over
+        the prediction with its margin. Planned again (:meth:`_plan_again`, the margin raised
+        by the excess: the budget handed to the solver lowered by that much), at most
+        :data:`STEP_REPLANS` times per input, with ``planned.checked`` False so that the new
+        plan's first step is measured in turn. Where no plan fits with that margin, or the
+        last new plan measured over too: kept if the step measured within the budget,
+        otherwise refused (:class:`~lightning_remat.errors.RematInfeasibleError` with the
+        measured peak and the smallest budget that holds with the margin raised; the input
+        keeps no plan). Returns the line to warn ("" when there is none)."""
+        budget = planned.budget_bytes
         assert budget is not None
-        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
-        device = module_device(self.module, args)
+        old = planned.plan
         said = (f"lightning_remat: the first training step under the plan measured "
                 f"{format_bytes(peak)}, {format_bytes(excess)} over its prediction of "
                 f"{format_bytes(old.predicted_peak_bytes)}")
+        replans = self._replans.get(planned.key, 0)
+        plan = self._plan_again(planned, args, kwargs, excess) if replans < STEP_REPLANS else None
+        if plan is not None:
+            self._replans[planned.key] = replans + 1
+            planned.checked = False  # the new plan's first step is measured too
+            times = "" if replans == 0 else f" ({replans + 1} times)"
+            return (f"{said}; planned again{times} with the model's margin raised by that much: "
+                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
+                    f"{format_bytes(budget)}")
+        planned.checked = True
+        if peak <= budget:
+            return f"{said}, within the budget of {format_bytes(budget)}: the plan stays"
+        self._refuse(planned, args, peak)
+        raise AssertionError("unreachable")
+
+    def _refuse(self, planned: Planned, args: tuple, peak: int) -> None:
+        """Raise the refusal of a step measured over its budget: the input's plan is taken
+        out (its next call plans it again, and the message is met again unless the budget
+        changed), and the error names the smallest budget that holds with the margin raised
+        by what the step measured over."""
+        budget = planned.budget_bytes
+        assert budget is not None
+        self.planned.pop(planned.key, None)
+        self.remat_module.variants.pop(planned.key, None)
+        if self.last is planned:
+            self.last = None
+        self._replans.pop(planned.key, None)
+        device = module_device(self.module, args)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        try:
+            least = self.smallest_budget(planned.graph, options, planned.variant.hooked is not None)
+        except RematInfeasibleError:
+            least = None
+        if least is not None:
+            least = max(int(least), int(peak))
+        raise RematInfeasibleError(budget, least, measured_peak_bytes=peak)
+
+    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, excess: int) -> Plan | None:
+        """Solve ``planned``'s graph again with the model's margin raised by what its first
+        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
+        plan from this call on; None (the plan unchanged) where no plan fits with it."""
+        graph, budget = planned.graph, planned.budget_bytes
+        assert budget is not None
+        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
+        device = module_device(self.module, args)
         try:
             plan = self._solve(graph, budget, solver_options(self.settings.solver, device, self.settings.offload))
-        except RematInfeasibleError as refused:
-            smallest = ("" if refused.min_budget_bytes is None else
-                        f" (the smallest budget that does is {format_bytes(refused.min_budget_bytes)})")
-            warn_caller(f"{said}; with that margin no plan fits {format_bytes(budget)}{smallest}: "
-                        "the plan stays; raise memory_budget")
-            return
+        except RematInfeasibleError:
+            return None
+        self._use_plan(planned, args, kwargs, plan)
+        return plan
+
+    def _use_plan(self, planned: Planned, args: tuple, kwargs: dict, plan: Plan) -> None:
+        """Run ``plan`` (made for ``planned``'s graph and budget) for ``planned``'s input
+        from this call on, and store it in the cache in place of the old."""
+        graph, budget = planned.graph, planned.budget_bytes
+        device = module_device(self.module, args)
         with preserved_state(self.module, [device]):
             traced = (self.tracer or trace_module)(self.module, args, kwargs)
         if traced.kind == CHILDREN:
@@ -588,13 +662,11 @@ class Planner:
             plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
         variant.budget_bytes = budget
-        planned.variant = self.remat_module.variants[planned.key] = variant
-        planned.checked = True  # measured once per input: the margin now covers what was seen
+        planned.variant = variant
+        if planned.key in self.remat_module.variants:
+            self.remat_module.variants[planned.key] = variant
         if self.cache is not None and planned.basis is not None:
             self.cache.put(planned.basis, graph, plan)
-        warn_caller(f"{said}; planned again with the model's margin raised by that much: "
-                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
-                    f"{format_bytes(budget)}")
 
     # ---- planning one input ---------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:

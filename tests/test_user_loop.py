@@ -199,9 +199,9 @@ def test_the_first_step_over_its_prediction_is_planned_again() -> None:
     plan's margin on this chain (a test double in place of the real one, which runs the
     step it is given): the input is planned again as planning ends, its margin raised by
     the excess (and by what the real meter read over the prediction), the new plan within
-    the budget with it, and the calls run the new plan; one warning says so, and only one
-    step is measured. The gradients are the plain model's, as if the metered step had not
-    run."""
+    the budget with it, and the calls run the new plan; one warning says so. The new plan's
+    step is measured too (within its raised margin: no more planning), and no later step.
+    The gradients are the plain model's, as if the metered steps had not run."""
     import copy
     import warnings
 
@@ -229,7 +229,7 @@ def test_the_first_step_over_its_prediction_is_planned_again() -> None:
     said = [str(w.message) for w in caught if "first training step" in str(w.message)]
     assert len(said) == 1, said
     assert "over its prediction" in said[0] and "planned again" in said[0], said
-    assert measured == [1]
+    assert measured == [1, 1]
     again = module.plan
     assert again.count("recompute") > 0
     assert planner.last.variant.plan is again
@@ -266,3 +266,53 @@ def test_a_first_step_within_its_prediction_keeps_the_plan() -> None:
     measured = planner.last.measured_peak_bytes
     assert measured is not None and 0 < measured <= first.guaranteed_peak_bytes
     assert _len_torch_dispatch_stack() == 0 and not _profiler_enabled()
+
+
+def test_a_first_step_still_over_its_budget_is_refused_with_a_budget_that_is_accepted() -> None:
+    """A meter that reads every step 60% of the plain peak over what it is (more than any
+    plan at 70% can leave): planned again twice (each new plan's step measured), then
+    refused with RematInfeasibleError saying what the step measured and the smallest
+    budget that holds; the module is left as it was (no plan kept for the input, its
+    forward its own). That budget, given, is accepted: its plan, measured with the same
+    meter, holds it, and trains as the plain model does."""
+    import copy
+
+    import pytest
+    import torch
+
+    from lightning_remat.errors import RematInfeasibleError
+    from lightning_remat.meter import peak_bytes
+    from lightning_remat.planner import STEP_REPLANS, Planner, PlanSettings, plain_peak_bytes
+
+    planner, x = _chain()
+    reference = copy.deepcopy(planner.module)
+    excess = int(0.6 * 4 * 512 * 64 * 33)  # 60% of the chain's activations, about its plain peak
+    readings: list[int] = []
+
+    def over_reading(step, device) -> int:
+        readings.append(peak_bytes(step, device) + excess)
+        return readings[-1]
+
+    planner.step_peak = over_reading
+    with pytest.raises(RematInfeasibleError) as refused:
+        _planned(planner, x)
+    error = refused.value
+    assert len(readings) <= STEP_REPLANS + 1
+    assert error.measured_peak_bytes == readings[-1] > error.budget_bytes
+    assert "measured" in str(error) and "raise memory_budget to at least" in str(error)
+    assert error.min_budget_bytes is not None and error.min_budget_bytes > error.budget_bytes
+    assert not planner.planned and not planner.remat_module.variants
+    assert "forward" not in planner.module.__dict__
+    torch.testing.assert_close(planner.module(x), reference(x))
+
+    readings.clear()
+    accepted = Planner(planner.module, PlanSettings(error.min_budget_bytes), step_peak=over_reading)
+    _planned(accepted, x)
+    module = accepted.remat_module
+    assert module.budget_bytes == error.min_budget_bytes < plain_peak_bytes(module.graph) + excess
+    assert accepted.last.measured_peak_bytes <= module.budget_bytes
+    for _ in range(2):
+        module(x).sum().backward()
+        reference(x).sum().backward()
+        for mine, theirs in zip(accepted.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad)
