@@ -93,7 +93,16 @@ from lightning_remat.runtime.module import (
     measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
-from lightning_remat.runtime.stepcheck import CudaStepMeter, metered_step, watch_backward
+from lightning_remat.runtime.stepcheck import (
+    CudaStepMeter,
+    StepTimes,
+    correct_times,
+    metered_step,
+    predicted_extra_seconds,
+    time_error,
+    timed_steps,
+    watch_backward,
+)
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
@@ -284,7 +293,7 @@ class Planner:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
-        state["step_peak"] = None  # the default meter when loaded
+        state["step_peak"] = state["step_times"] = None  # the default meters when loaded
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
@@ -311,10 +320,18 @@ class Planner:
         free_memory: Callable[[torch.device], int | None] | None = None,
         step_peak: Callable[[Callable[[], None], torch.device], int] | None = None,
         check_first_step: bool = True,
+        step_times: StepTimer | None = None,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
         self.step_peak = step_peak
+        self.step_times = step_times
+        """Times a new plan's step against the plain step's: ``step_times(plain, planned,
+        device)`` runs both kinds of step and returns their
+        :class:`~lightning_remat.runtime.stepcheck.StepTimes` (None:
+        :func:`~lightning_remat.runtime.stepcheck.timed_steps`)."""
+        self._timed: set[InputKey] = set()
+        """Keys whose plan's time was checked (once per key)."""
         """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
         ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
         self.check_first_step = check_first_step
@@ -515,23 +532,36 @@ class Planner:
         return outputs
 
     def _check_new_plan(self, planned: Planned, args: tuple, kwargs: dict) -> None:
-        """Off CUDA, one metered step of a new plan, run as the last part of planning: the
-        CPU meter is thread-local state the autograd engine would put back on the caller's
-        thread after its backward, so it is not left running across the caller's own step
-        (:mod:`~lightning_remat.runtime.stepcheck`). Over the prediction (its margin
-        included), the input is planned again at once and the new plan's step measured in
-        turn (:meth:`_over_prediction`, at most :data:`STEP_REPLANS` times); one warning
-        says so."""
+        """A new plan's first step, run as the last part of planning. Off CUDA its memory:
+        one metered step (the CPU meter is thread-local state the autograd engine would put
+        back on the caller's thread after its backward, so it is not left running across
+        the caller's own step, :mod:`~lightning_remat.runtime.stepcheck`); over the
+        prediction (its margin included), the input is planned again at once and the new
+        plan's step measured in turn (:meth:`_over_prediction`, at most
+        :data:`STEP_REPLANS` times); one warning says so. On every device its time
+        (:meth:`_check_time`): off the prediction, the graph's times are corrected and the
+        plan chosen again, once per input, its memory then measured again."""
         device = module_device(self.module, args)
-        if device.type == "cuda" or not self._checks(planned):
+        if not self._checks(planned):
             return
-        planned.checked = True
         if _len_torch_dispatch_stack() or _profiler_enabled():
             # Planned under a dispatch mode or a profiler (the caller measuring the call,
             # say): a meter inside it would read the caller's, so none is run.
+            planned.checked = device.type != "cuda"
             return
         if self.loss_fn is None and not planned.graph.meta.outputs_held:
+            planned.checked = True
             return  # planned for a loss this planner no longer has (unpickled)
+        if device.type != "cuda":
+            self._hold_budget(planned, args, kwargs, device)
+        if self._check_time(planned, args, kwargs, device) and device.type != "cuda":
+            planned.checked = False
+            self._hold_budget(planned, args, kwargs, device)
+
+    def _hold_budget(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> None:
+        """Off CUDA: meter the plan's step, plan again while it measures over its
+        prediction (:meth:`_over_prediction`), and warn once."""
+        planned.checked = True
         said = ""
         while True:
             self._measured(planned, self._metered_step(planned, args, kwargs, device))
@@ -543,6 +573,79 @@ class Planner:
         planned.checked = True
         if said:
             warn_caller(said)
+
+    def _check_time(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> bool:
+        """Time ``planned``'s step against the plain step's, in this process
+        (:func:`~lightning_remat.runtime.stepcheck.timed_steps`: the least of a few of
+        each, alternating). Where the measured extra time is off the plan's prediction by
+        more than :data:`~lightning_remat.runtime.stepcheck.TIME_POINTS` of the plain step
+        and by more than the noise (:func:`~lightning_remat.runtime.stepcheck.time_error`),
+        the graph's times are set to reproduce the measurement
+        (:func:`~lightning_remat.runtime.stepcheck.correct_times`) and the plan chosen
+        again by the solver with them; one warning says so. Once per input key; not for a
+        plan that recomputes nothing, nor a graph profiled op by op (safe mode: the plain
+        step may not fit). Whether the plan changed."""
+        plan, graph = planned.plan, planned.graph
+        if planned.key in self._timed or plan.count("recompute") == 0 or graph.meta.safe:
+            return False
+        self._timed.add(planned.key)
+        wrapper, mode = self.remat_module, self.remat_module.training
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True  # not .train(): the module's own flags are restored above
+            try:
+                measured = (self.step_times or timed_steps)(
+                    self._timed_step(planned, args, kwargs, plain=True),
+                    self._timed_step(planned, args, kwargs, plain=False), device)
+            finally:
+                wrapper.training = mode
+        predicted = predicted_extra_seconds(graph, plan)
+        if time_error(predicted, measured) is None:
+            return False
+        changed = correct_times(graph, plan, measured.extra_seconds)
+        if not changed:
+            return False
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        budget = planned.budget_bytes
+        assert budget is not None
+        try:
+            again = self._solve(graph, budget, options)
+        except RematInfeasibleError:
+            return False  # the times changed, not the memory: the same budget is met
+        if [(s.nodes, s.action) for s in again.stages] == [(s.nodes, s.action) for s in plan.stages]:
+            plan.predicted_extra_seconds = again.predicted_extra_seconds  # as now predicted
+            return False
+        plain = measured.plain_seconds
+        said = (f"lightning_remat: the planned step took {measured.extra_seconds / plain:+.1%} over "
+                f"the plain step's time, where {predicted / plain:+.1%} was predicted; {changed}, and the plan "
+                f"chosen again with those times: {again.solver}, {again.count('recompute')} recomputed "
+                f"stages, predicted {again.predicted_extra_seconds / plain:+.1%}")
+        self._use_plan(planned, args, kwargs, again)
+        self._replans.pop(planned.key, None)  # the new plan's memory is measured afresh
+        warn_caller(said)
+        return True
+
+    def _timed_step(self, planned: Planned, args: tuple, kwargs: dict, plain: bool) -> Callable[[], None]:
+        """One training step, plain (the module's own forward) or under ``planned``'s plan,
+        as the profile took it; each parameter's gradient as before it (the caller keeps
+        the module's state, :func:`~lightning_remat.graph.effects.preserved_state`)."""
+        loss_fn = self.loss_fn or loop_loss
+        args, kwargs = pytree.tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
+        holders = [p for p in self.module.parameters() if p.requires_grad]
+        holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrapper, module = self.remat_module, self.module
+        held = bool(planned.graph.meta.outputs_held)
+
+        def forward() -> Any:
+            return module(*args, **kwargs) if plain else wrapper._run(planned.variant, args, kwargs)
+
+        def run(step: Callable[[], None]) -> int:
+            step()
+            return 0
+
+        return lambda: metered_step(forward, loss_fn, held, holders, run) and None
 
     def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
         """One training step of ``planned``'s plan under the meter, as the profile took the
@@ -865,6 +968,8 @@ class Planner:
 
 
 Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
+StepTimer = Callable[[Callable[[], None], Callable[[], None], torch.device], StepTimes]
+"""Times a plain and a planned step: ``(plain, planned, device) -> StepTimes``."""
 Tracer = Callable[[nn.Module, tuple, dict], Traced]
 """Gives the graph of one call: ``(module, args, kwargs, traced) -> Graph``."""
 
