@@ -106,6 +106,7 @@ from lightning_remat.runtime.stepcheck import (
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
+from lightning_remat.step_budget import StepBudget
 
 __all__ = ["STEP_REPLANS", "PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
 
@@ -209,6 +210,8 @@ class Planned:
     module: RematModule
     example: tuple[tuple, dict] | None = field(default=None, repr=False)
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
+    traced: Traced | None = field(default=None, repr=False)
+    """The capture the variant was built from (a plan made again is built from it too)."""
     basis: PlanBasis | None = None
     """What decided the plan (stored beside it in the cache and in checkpoints)."""
     checked: bool = False
@@ -330,6 +333,9 @@ class Planner:
         device)`` runs both kinds of step and returns their
         :class:`~lightning_remat.runtime.stepcheck.StepTimes` (None:
         :func:`~lightning_remat.runtime.stepcheck.timed_steps`)."""
+        self.step_budget: StepBudget | None = None
+        """The budget this module shares with the other planned modules of a training step
+        (None: its own)."""
         self._timed: set[InputKey] = set()
         """Keys whose plan's time was checked (once per key)."""
         """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
@@ -802,12 +808,11 @@ class Planner:
             plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
         read = getattr(self, "_budget_read", None)
-        variant.budget_bytes = read if read is not None else \
-            settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        variant.budget_bytes = read if read is not None else self._budget(graph, device)
         self._budget_read = None
         variant.from_cache = from_store
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
-        return Planned(key, variant, self.remat_module, example, basis)
+        return Planned(key, variant, self.remat_module, example, basis=basis, traced=traced)
 
     def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Traced,
                       basis: PlanBasis, exchange: Exchange | None = None) -> tuple[Graph, Plan, bool]:
@@ -850,15 +855,56 @@ class Planner:
             (graph.meta.recompute_stage_seconds,
              graph.meta.recompute_vertex_seconds) = measure_recompute_overhead(device)
         profiled = time.perf_counter()
-        budget = self._budget_read = settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        budget = self._budget_read = self._budget(graph, device)
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
-        plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
+        try:
+            plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
+        except RematInfeasibleError as refused:
+            if self.step_budget is None or isinstance(refused, SolverDeclinedError) \
+                    or self.ranks is not None or self.sharding != "none":
+                raise
+            # Another module of the step gives up what this one needs, or the step refuses.
+            budget = self._budget_read = self.step_budget.over(self, refused)
+            plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
                               profiled - started, "derived" if self.profiler is not None else "profile"))
         return graph, plan, False
+
+    def _budget(self, graph: Graph, device: torch.device) -> int | None:
+        """The budget ``graph`` is planned at: the settings', or where several modules of a
+        training step share one (:class:`~lightning_remat.step_budget.StepBudget`), what
+        it leaves this one."""
+        own = self.settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        if own is None or getattr(self, "step_budget", None) is None or self.ranks is not None \
+                or self.sharding != "none":
+            return own  # ranks plan each module on its own (they must re-plan together)
+        return self.step_budget.grant(self, graph, own, plain_peak_bytes(graph))
+
+    def least_budget(self, entry: Planned) -> int | None:
+        """The smallest budget ``entry``'s graph is planned at (:meth:`smallest_budget`)."""
+        device = module_device(self.module)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        return self.smallest_budget(entry.graph, options, entry.variant.hooked is not None)
+
+    def plan_within(self, entry: Planned, budget: int) -> None:
+        """Plan ``entry``'s input again at ``budget`` (lower than it was: another module of
+        the step needs the rest), from its next call on."""
+        device = module_device(self.module)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        assert entry.traced is not None
+        plan = self._accepted_plan(entry.graph, budget, options, entry.traced.kind == CHILDREN)
+        if not any(note.startswith("capture: ") for note in plan.notes):
+            plan.notes.insert(0, entry.traced.granularity())
+        variant = build_traced_variant(entry.traced, plan, self.remat_module, self.module, entry.graph)
+        variant.budget_bytes = budget
+        entry.variant = variant
+        if entry.key in self.remat_module.variants:
+            self.remat_module.variants[entry.key] = variant
+        if self.cache is not None and entry.basis is not None:
+            self.cache.put(entry.basis, entry.graph, plan)
 
     def _accepted_plan(self, graph: Graph, budget: int | None, options: dict[str, Any],
                        per_submodule: bool) -> Plan:

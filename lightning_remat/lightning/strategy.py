@@ -34,12 +34,14 @@ from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
 from lightning_remat.device import default_budget, optimizer_state_made
+from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.inputs import shapes_of
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.messages import DistributedRanks
 from lightning_remat.planner import Planned, Planner, PlanSettings
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.step_budget import StepBudget
 
 __all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy", "forward_routed"]
 
@@ -81,6 +83,22 @@ def forward_routed(module: torch.nn.Module, forward: Callable[..., Any]) -> Iter
             module.forward = previous  # type: ignore[method-assign]
         else:
             module.__dict__.pop("forward", None)
+
+
+def named_refusal(planner: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``planner``'s call, a refusal to plan it (:class:`~lightning_remat.errors.RematInfeasibleError`)
+    naming the module it plans (``name`` in the LightningModule)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return planner(*args, **kwargs)
+        except RematInfeasibleError as refused:
+            if refused.args and "planned modules" not in str(refused.args[0]):
+                label = f"module {name!r}" if name else "the LightningModule"
+                refused.args = (f"planning {label} of the training step: {refused.args[0]}", *refused.args[1:])
+            raise
+
+    return call
 
 
 def progress_lines(trainer: pl.Trainer) -> Callable[[str], None] | None:
@@ -148,6 +166,8 @@ class RematHooks:
         self._restored: dict[str | None, dict[str, StoredPlan]] = {}
         self._in_training_step = False
         self._planning_paused = False
+        self._step_budget = StepBudget(memory_budget)
+        """The one budget the modules the training step calls share (docs/design.md section 4.7)."""
 
     @property
     def planner(self) -> Planner | None:
@@ -234,6 +254,7 @@ class RematHooks:
         # step ends, every module's calls pass through a route that plans the outermost
         # ones (the first call of each goes to its planner, so no batch runs unplanned).
         self._detecting = True
+        self._step_budget.detecting = True
         for name, module in lightning_module.named_modules():
             self._route.enter_context(forward_routed(module, self._detecting_route(name, module)))
 
@@ -242,6 +263,7 @@ class RematHooks:
         if not self.planners and None in self._restored:  # a checkpoint from before names
             restored.update(self._restored.pop(None))  # type: ignore[call-overload]
         planner = Planner(module, self.remat_settings, restored=restored, **self._planner_options)
+        self._step_budget.add(name, planner)
         self.planners[name] = planner
         self._planned_modules[name] = module
         return planner
@@ -254,7 +276,7 @@ class RematHooks:
             run = planner if self._depth == 0 and self.plans_call(module) else original_forward
             self._depth += 1
             try:
-                return run(*args, **kwargs)
+                return named_refusal(run, name)(*args, **kwargs) if run is planner else run(*args, **kwargs)
             finally:
                 self._depth -= 1
 
@@ -269,7 +291,7 @@ class RematHooks:
                 if module.training and torch.is_grad_enabled():  # an outermost module of the step
                     planner = self.planners.get(name) or self._add_planner(name, module)
                     if self.plans_call(module):
-                        run = planner
+                        run = named_refusal(planner, name)
                 else:
                     label = name or "the LightningModule"
                     self._ran_unplanned[label] = "in eval mode" if not module.training else "without grad"
@@ -281,13 +303,27 @@ class RematHooks:
 
         return route
 
-    def _end_detection(self) -> None:
+    def _end_detection(self, check: bool = True) -> None:
         """After the first training step: keep the routes of the modules it ran, or warn
-        that it ran none the strategy could plan."""
+        that it ran none the strategy could plan; with ``check`` (the step ended without an
+        error) hold their plans to the step's budget together
+        (:meth:`~lightning_remat.step_budget.StepBudget.check`)."""
         self._detecting = False
         self._route.close()
         for name, module in self._planned_modules.items():
             self._route.enter_context(forward_routed(module, self._planned_route(name, module)))
+        if not check:
+            self._step_budget.detecting = False
+            self._step_budget.deferred.clear()
+            return
+        try:
+            self._step_budget.check()  # the modules the step ran hold its budget together
+        except RematInfeasibleError as refused:
+            if len(self.planners) == 1:
+                name = next(iter(self.planners))
+                label = f"module {name!r}" if name else "the LightningModule"
+                refused.args = (f"planning {label} of the training step: {refused.args[0]}",)
+            raise
         if not self.planners:
             ran = "; ".join(f"{n} ({why})" for n, why in self._ran_unplanned.items()) or (
                 "no module's forward, the LightningModule's or a submodule's")
@@ -342,12 +378,14 @@ class RematHooks:
     @contextlib.contextmanager
     def _training_step_scope(self) -> Iterator[None]:
         self._in_training_step = True
+        ended = False
         try:
             yield
+            ended = True
         finally:
             self._in_training_step = False
             if self._detecting and not self._planning_paused:  # the batch-size search's steps do not count
-                self._end_detection()
+                self._end_detection(check=ended)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
