@@ -324,3 +324,54 @@ def test_a_first_step_still_over_its_budget_is_refused_with_a_budget_that_is_acc
         reference(x).sum().backward()
         for mine, theirs in zip(accepted.module.parameters(), reference.parameters()):
             torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_modules_called_in_turn_hold_their_shared_budget_at_the_meter() -> None:
+    """An encoder and a one-Linear head, each planned by its own planner, sharing the
+    step's budget at 45% (the head alone cannot reach 45% of its own peak): from the step
+    after planning, the step that calls them in turn, measured by the meter, is within
+    45% of their plain peaks together and under the plain step's peak, and its gradients
+    are the plain model's."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from lightning_remat.meter import peak_bytes
+    from lightning_remat.planner import Planner, PlanSettings, plain_peak_bytes
+    from lightning_remat.step_budget import StepBudget
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(*[m for _ in range(40) for m in (nn.Linear(64, 64), nn.Tanh())])
+    head = nn.Linear(64, 64)
+    plain_encoder, plain_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    x, y = torch.randn(512, 64), torch.randint(0, 64, (512,))
+    shared = StepBudget("45%")
+    shared.detecting = True
+    planners = {name: Planner(module, PlanSettings("45%"), step_times=_on_time)
+                for name, module in (("encoder", encoder), ("head", head))}
+    for name, planner in planners.items():
+        shared.add(name, planner)
+
+    def step(first, second):
+        def run() -> None:
+            out = second(first(x))  # alive until the step ends, as in the loop people write
+            nn.functional.cross_entropy(out, y).backward()
+        return run
+
+    step(planners["encoder"], planners["head"])()
+    shared.check()
+    head_entry = planners["head"].last
+    assert head_entry.plan.guaranteed_peak_bytes > 0.45 * plain_peak_bytes(head_entry.graph)
+    total = shared.total()
+    assert total == sum(int(0.45 * plain_peak_bytes(p.last.graph)) for p in planners.values())
+    for module in (encoder, head, plain_encoder, plain_head):
+        module.zero_grad(set_to_none=True)
+    plain = peak_bytes(step(plain_encoder, plain_head))
+    for module in (encoder, head):
+        module.zero_grad(set_to_none=True)
+    measured = peak_bytes(step(planners["encoder"], planners["head"]))
+    assert measured <= total < plain, (measured, total, plain)
+    for mine, theirs in zip([*encoder.parameters(), *head.parameters()],
+                            [*plain_encoder.parameters(), *plain_head.parameters()]):
+        torch.testing.assert_close(mine.grad, theirs.grad)
