@@ -297,13 +297,20 @@ class Planner:
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
         state["step_peak"] = state["step_times"] = None  # the default meters when loaded
+        state["step_budget"] = None  # a module loaded alone plans within its own budget
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Planners pickled before the first step's time and its re-plans were kept.
+        self.__dict__.update({"step_times": None, "step_budget": None, "_timed": set(), "_replans": {}})
+        self.__dict__.update(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
         # A copy in memory (an EMA of the model, say) keeps the loss_fn: only pickling drops it.
         copied = object.__new__(type(self))
         memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "step_budget"}, memo))
+        copied.step_budget = None  # the copy plans within its own budget, not the step's
         return copied
 
     def __init__(
@@ -861,7 +868,7 @@ class Planner:
         try:
             plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
         except RematInfeasibleError as refused:
-            if self.step_budget is None or isinstance(refused, SolverDeclinedError) \
+            if getattr(self, "step_budget", None) is None or isinstance(refused, SolverDeclinedError) \
                     or self.ranks is not None or self.sharding != "none":
                 raise
             # Another module of the step gives up what this one needs, or the step refuses.
