@@ -375,3 +375,37 @@ def test_modules_called_in_turn_hold_their_shared_budget_at_the_meter() -> None:
     for mine, theirs in zip([*encoder.parameters(), *head.parameters()],
                             [*plain_encoder.parameters(), *plain_head.parameters()]):
         torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_steps_measured_after_planning_replan_twice_then_refuse() -> None:
+    """The check of a step measured by the caller's own step (on CUDA, when its backward
+    ends; here its readings given): a step over its plan's prediction plans the input again
+    at its next call, with the new plan's first step measured in turn; after two re-plans a
+    step still over the budget is refused at the next call, naming what it measured, and
+    the input keeps no plan."""
+    import warnings
+
+    import pytest
+
+    from lightning_remat.errors import RematInfeasibleError
+    from lightning_remat.planner import STEP_REPLANS
+
+    planner, x = _planned(*_chain())
+    module = planner.remat_module
+    budget = planner.last.budget_bytes
+    for _ in range(STEP_REPLANS):
+        entry = planner.last
+        entry.checked = True
+        planner._measured(entry, entry.plan.guaranteed_peak_bytes + 1024)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module(x)
+        said = [str(w.message) for w in caught if "planned again" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
+        assert not planner.last.checked  # the new plan's first step is to be measured
+        assert planner.last.plan.guaranteed_peak_bytes <= budget
+    planner._measured(planner.last, budget + 1)
+    with pytest.raises(RematInfeasibleError) as refused:
+        module(x)
+    assert refused.value.measured_peak_bytes == budget + 1 and "measured" in str(refused.value)
+    assert not planner.planned
