@@ -210,14 +210,18 @@ class Planned:
     module: RematModule
     example: tuple[tuple, dict] | None = field(default=None, repr=False)
     """The call it was planned for, kept on the host (for dashboards that replay it)."""
-    traced: Traced | None = field(default=None, repr=False)
-    """The capture the variant was built from (a plan made again is built from it too)."""
     basis: PlanBasis | None = None
     """What decided the plan (stored beside it in the cache and in checkpoints)."""
     checked: bool = False
     """Whether the first training step under the plan was measured (or will not be)."""
     measured_peak_bytes: int | None = None
     """The first training step's measured peak (None: not measured)."""
+    traced: Traced | None = field(default=None, repr=False, compare=False)
+    """The capture the variant was built from, which a plan made again lower for another
+    module of the step is built from too (not pickled: None when loaded)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "traced": None}
 
     @property
     def graph(self) -> Graph:
@@ -891,7 +895,11 @@ class Planner:
         return self.step_budget.grant(self, graph, own, plain_peak_bytes(graph))
 
     def least_budget(self, entry: Planned) -> int | None:
-        """The smallest budget ``entry``'s graph is planned at (:meth:`smallest_budget`)."""
+        """The smallest budget ``entry``'s graph is planned at (:meth:`smallest_budget`);
+        for an entry loaded without its capture, which cannot be planned again here, the
+        budget its plan was made for."""
+        if entry.traced is None:
+            return entry.budget_bytes
         device = module_device(self.module)
         options = solver_options(self.settings.solver, device, self.settings.offload)
         return self.smallest_budget(entry.graph, options, entry.variant.hooked is not None)
