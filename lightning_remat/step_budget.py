@@ -22,16 +22,38 @@ to the step's budget together, or refused (one module alone: as it would be alon
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from lightning_remat.budget import format_bytes, parse_budget
 from lightning_remat.errors import RematInfeasibleError
+from lightning_remat.graph.ir import Graph
 
-if TYPE_CHECKING:
-    from lightning_remat.graph.ir import Graph
-    from lightning_remat.planner import Planner
+__all__ = ["StepBudget", "is_relative", "named_refusal", "naming"]
 
-__all__ = ["StepBudget", "is_relative"]
+Planner = Any
+"""A :class:`~lightning_remat.planner.Planner` (which imports this module)."""
+
+
+def naming(refused: RematInfeasibleError, name: str) -> RematInfeasibleError:
+    """``refused`` with the module it refuses named (``name`` in the LightningModule; ``""``
+    the LightningModule), unless it names the step's modules already."""
+    if refused.args and "planned modules" not in str(refused.args[0]):
+        label = f"module {name!r}" if name else "the LightningModule"
+        refused.args = (f"planning {label} of the training step: {refused.args[0]}", *refused.args[1:])
+    return refused
+
+
+def named_refusal(planner: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``planner``'s call, a refusal to plan it naming the module it plans (:func:`naming`)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return planner(*args, **kwargs)
+        except RematInfeasibleError as refused:
+            raise naming(refused, name) from None
+
+    return call
 
 
 def is_relative(memory_budget: int | float | str | None) -> bool:
@@ -142,7 +164,7 @@ class StepBudget:
         if sum(self.used(n) for n in names) <= total:
             return
         if len(names) == 1:
-            raise next(iter(deferred.values()))
+            raise naming(deferred[names[0]], names[0]) if names[0] in deferred else next(iter(deferred.values()))
         least = {n: (deferred[n].min_budget_bytes if n in deferred else
                      self.members[n].least_budget(self.members[n].last)) for n in names}
         if any(v is None for v in least.values()) or sum(int(v or 0) for v in least.values()) > total:

@@ -34,14 +34,13 @@ from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
 from lightning_remat.device import default_budget, optimizer_state_made
-from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.inputs import shapes_of
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.messages import DistributedRanks
 from lightning_remat.planner import Planned, Planner, PlanSettings
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.step_budget import StepBudget
+from lightning_remat.step_budget import StepBudget, named_refusal
 
 __all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy", "forward_routed"]
 
@@ -83,22 +82,6 @@ def forward_routed(module: torch.nn.Module, forward: Callable[..., Any]) -> Iter
             module.forward = previous  # type: ignore[method-assign]
         else:
             module.__dict__.pop("forward", None)
-
-
-def named_refusal(planner: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``planner``'s call, a refusal to plan it (:class:`~lightning_remat.errors.RematInfeasibleError`)
-    naming the module it plans (``name`` in the LightningModule)."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return planner(*args, **kwargs)
-        except RematInfeasibleError as refused:
-            if refused.args and "planned modules" not in str(refused.args[0]):
-                label = f"module {name!r}" if name else "the LightningModule"
-                refused.args = (f"planning {label} of the training step: {refused.args[0]}", *refused.args[1:])
-            raise
-
-    return call
 
 
 def progress_lines(trainer: pl.Trainer) -> Callable[[str], None] | None:
@@ -166,8 +149,7 @@ class RematHooks:
         self._restored: dict[str | None, dict[str, StoredPlan]] = {}
         self._in_training_step = False
         self._planning_paused = False
-        self._step_budget = StepBudget(memory_budget)
-        """The one budget the modules the training step calls share (docs/design.md section 4.7)."""
+        self._step_budget = StepBudget(memory_budget)  # the step's modules share one budget
 
     @property
     def planner(self) -> Planner | None:
@@ -305,25 +287,16 @@ class RematHooks:
 
     def _end_detection(self, check: bool = True) -> None:
         """After the first training step: keep the routes of the modules it ran, or warn
-        that it ran none the strategy could plan; with ``check`` (the step ended without an
-        error) hold their plans to the step's budget together
-        (:meth:`~lightning_remat.step_budget.StepBudget.check`)."""
+        that it ran none the strategy could plan; with ``check`` (it ended without an error)
+        hold their plans to the step's budget together (``StepBudget.check``)."""
         self._detecting = False
         self._route.close()
         for name, module in self._planned_modules.items():
             self._route.enter_context(forward_routed(module, self._planned_route(name, module)))
         if not check:
-            self._step_budget.detecting = False
-            self._step_budget.deferred.clear()
+            self._step_budget.detecting, self._step_budget.deferred = False, {}
             return
-        try:
-            self._step_budget.check()  # the modules the step ran hold its budget together
-        except RematInfeasibleError as refused:
-            if len(self.planners) == 1:
-                name = next(iter(self.planners))
-                label = f"module {name!r}" if name else "the LightningModule"
-                refused.args = (f"planning {label} of the training step: {refused.args[0]}",)
-            raise
+        self._step_budget.check()  # the modules the step ran hold its budget together
         if not self.planners:
             ran = "; ".join(f"{n} ({why})" for n, why in self._ran_unplanned.items()) or (
                 "no module's forward, the LightningModule's or a submodule's")
