@@ -600,10 +600,12 @@ class Planner:
         the graph's times are set to reproduce the measurement
         (:func:`~lightning_remat.runtime.stepcheck.correct_times`) and the plan chosen
         again by the solver with them; one warning says so. Once per input key; not for a
-        plan that recomputes nothing, nor a graph profiled op by op (safe mode: the plain
-        step may not fit). Whether the plan changed."""
+        plan that recomputes nothing, one from the cache or a checkpoint (timed when it was
+        made, its graph stored with the corrected times), nor a graph profiled op by op
+        (safe mode: the plain step may not fit). Whether the plan changed."""
         plan, graph = planned.plan, planned.graph
-        if planned.key in self._timed or plan.count("recompute") == 0 or graph.meta.safe:
+        if planned.key in self._timed or plan.count("recompute") == 0 or graph.meta.safe \
+                or planned.from_cache:  # its graph's times were checked when it was made
             return False
         self._timed.add(planned.key)
         wrapper, mode = self.remat_module, self.remat_module.training
