@@ -71,13 +71,17 @@ def test_a_difference_within_five_points_or_within_noise_is_no_error() -> None:
 
 
 def _chain_planner(step_times, budget: str = "75%") -> tuple[Planner, torch.Tensor]:
-    """A chain of 16 Linear and Tanh layers and its planner, the executor's own time
-    profiled as none (so that a measured time per stage changes the DP's choice)."""
+    """A chain of 16 Linear and Tanh layers and its planner, its op times set (one op in
+    eight costly, which free stages split around to keep it) and the executor's own time
+    profiled as none, so that a measured time per stage changes the DP's choice."""
     from lightning_remat.graph.profile import profile_module
 
     def profiled(module, args, kwargs, traced) -> Graph:
         graph = profile_module(module, args, example_kwargs=kwargs or None, traced=traced, repeats=1)
         graph.meta.recompute_stage_seconds = graph.meta.recompute_vertex_seconds = 0.0
+        for i, node in enumerate(graph.nodes):  # the DP's choice not left to this machine's timings
+            node.t_fwd = 0.1 if i % 8 == 4 else 1e-3  # a costly op a stage boundary can keep
+            node.t_bwd = 2 * node.t_fwd
         return graph
 
     torch.manual_seed(0)
