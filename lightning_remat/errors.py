@@ -18,11 +18,22 @@ class RematInfeasibleError(RematError):
     """No plan fits the budget. ``min_budget_bytes`` is the smallest budget any tried
     method reaches (None when it is not known)."""
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int | None, tried: str = "") -> None:
+    def __init__(self, budget_bytes: int, min_budget_bytes: int | None, tried: str = "",
+                 measured_peak_bytes: int | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = None if min_budget_bytes is None else int(min_budget_bytes)
         self.tried = tried
-        message = f"no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
+        self.measured_peak_bytes = None if measured_peak_bytes is None else int(measured_peak_bytes)
+        """The training step's measured peak, where the refusal comes from a step measured
+        over the budget (planned again and still over, or with no plan left that fits)."""
+        if self.measured_peak_bytes is not None:
+            message = (f"the first training step under the plan measured "
+                       f"{format_bytes(self.measured_peak_bytes)} ({self.measured_peak_bytes} bytes), "
+                       f"over the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes), and "
+                       "planned again with the model's margin raised by what it measured over, no plan "
+                       "holds the budget")
+        else:
+            message = f"no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)"
         if tried:
             message += f" with {tried}"
         if self.min_budget_bytes is not None:

@@ -100,12 +100,27 @@ from lightning_remat.runtime.module import (
     measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
-from lightning_remat.runtime.stepcheck import CudaStepMeter, metered_step, watch_backward
+from lightning_remat.runtime.stepcheck import (
+    CudaStepMeter,
+    StepTimes,
+    correct_times,
+    metered_step,
+    predicted_extra_seconds,
+    time_error,
+    timed_steps,
+    watch_backward,
+)
 from lightning_remat.solvers import SOLVERS, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.simulate import Timeline
+from lightning_remat.step_budget import StepBudget
 
-__all__ = ["PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
+__all__ = ["STEP_REPLANS", "PlanSettings", "Planned", "Planner", "plain_peak_bytes", "remat"]
+
+STEP_REPLANS = 2
+"""How many times an input whose first planned step measured over its prediction is
+planned again, each new plan's step measured in turn, before a step still over its budget
+is refused (docs/design.md section 4.7)."""
 
 
 def plain_peak_bytes(graph: Graph) -> int:
@@ -208,6 +223,12 @@ class Planned:
     """Whether the first training step under the plan was measured (or will not be)."""
     measured_peak_bytes: int | None = None
     """The first training step's measured peak (None: not measured)."""
+    traced: Traced | None = field(default=None, repr=False, compare=False)
+    """The capture the variant was built from, which a plan made again lower for another
+    module of the step is built from too (not pickled: None when loaded)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "traced": None}
 
     @property
     def graph(self) -> Graph:
@@ -286,14 +307,21 @@ class Planner:
         state = dict(self.__dict__)
         state["_loss_fn_left_out"] = state.get("_loss_fn_left_out") or state["loss_fn"] is not None
         state["loss_fn"] = state["progress"] = state["free_memory"] = None
-        state["step_peak"] = None  # the default meter when loaded
+        state["step_peak"] = state["step_times"] = None  # the default meters when loaded
+        state["step_budget"] = None  # a module loaded alone plans within its own budget
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Planners pickled before the first step's time and its re-plans were kept.
+        self.__dict__.update({"step_times": None, "step_budget": None, "_timed": set(), "_replans": {}})
+        self.__dict__.update(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
         # A copy in memory (an EMA of the model, say) keeps the loss_fn: only pickling drops it.
         copied = object.__new__(type(self))
         memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        copied.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "step_budget"}, memo))
+        copied.step_budget = None  # the copy plans within its own budget, not the step's
         return copied
 
     def __init__(
@@ -313,10 +341,21 @@ class Planner:
         free_memory: Callable[[torch.device], int | None] | None = None,
         step_peak: Callable[[Callable[[], None], torch.device], int] | None = None,
         check_first_step: bool = True,
+        step_times: StepTimer | None = None,
     ) -> None:
         self.module = module
         self.free_memory = free_memory
         self.step_peak = step_peak
+        self.step_times = step_times
+        """Times a new plan's step against the plain step's: ``step_times(plain, planned,
+        device)`` runs both kinds of step and returns their
+        :class:`~lightning_remat.runtime.stepcheck.StepTimes` (None:
+        :func:`~lightning_remat.runtime.stepcheck.timed_steps`)."""
+        self.step_budget: StepBudget | None = None
+        """The budget this module shares with the other planned modules of a training step
+        (None: its own)."""
+        self._timed: set[InputKey] = set()
+        """Keys whose plan's time was checked (once per key)."""
         """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
         ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
         self.check_first_step = check_first_step
@@ -324,6 +363,8 @@ class Planner:
         measures its trials' steps itself, turns it off)."""
         self._excess: dict[InputKey, tuple[int, int]] = {}
         """Keys whose first step measured over the plan: (measured peak, excess)."""
+        self._replans: dict[InputKey, int] = {}
+        """How many times each key was planned again after its first step measured over."""
         self.profiler = profiler
         self.tracer = tracer
         self.loss_fn = loss_fn
@@ -543,7 +584,9 @@ class Planner:
                 return self.last.variant
         self.last = self.planned_for(args, kwargs)
         if training and self.last.key in self._excess:
-            self._plan_again(self.last, args, kwargs, *self._excess.pop(self.last.key))
+            said = self._over_prediction(self.last, args, kwargs, *self._excess.pop(self.last.key))
+            if said:
+                warn_caller(said)
         return self.last.variant
 
     # ---- the first real step --------------------------------------------------------------
@@ -558,7 +601,8 @@ class Planner:
         measured (:mod:`~lightning_remat.runtime.stepcheck`), from its forward to the end of
         the backward its outputs start (the caller's loss included), and a step over the
         plan's prediction (its margin included) has the next call with that input plan
-        again (:meth:`_plan_again`). After the first step this costs a lookup."""
+        again (:meth:`_over_prediction`), whose first step is measured in turn. After the
+        first step this costs a lookup."""
         planned = self.last
         if planned is None or planned.variant is not variant or self.busy or not self._checks(planned):
             return run(variant)
@@ -573,24 +617,122 @@ class Planner:
         return outputs
 
     def _check_new_plan(self, planned: Planned, args: tuple, kwargs: dict) -> None:
-        """Off CUDA, one metered step of a new plan, run as the last part of planning: the
-        CPU meter is thread-local state the autograd engine would put back on the caller's
-        thread after its backward, so it is not left running across the caller's own step
-        (:mod:`~lightning_remat.runtime.stepcheck`). Over the prediction (its margin
-        included), the input is planned again at once (:meth:`_plan_again`)."""
+        """A new plan's first step, run as the last part of planning. Off CUDA its memory:
+        one metered step (the CPU meter is thread-local state the autograd engine would put
+        back on the caller's thread after its backward, so it is not left running across
+        the caller's own step, :mod:`~lightning_remat.runtime.stepcheck`); over the
+        prediction (its margin included), the input is planned again at once and the new
+        plan's step measured in turn (:meth:`_over_prediction`, at most
+        :data:`STEP_REPLANS` times); one warning says so. On every device its time
+        (:meth:`_check_time`): off the prediction, the graph's times are corrected and the
+        plan chosen again, once per input, its memory then measured again."""
         device = module_device(self.module, args)
-        if device.type == "cuda" or not self._checks(planned):
+        if not self._checks(planned):
             return
-        planned.checked = True
         if _len_torch_dispatch_stack() or _profiler_enabled():
             # Planned under a dispatch mode or a profiler (the caller measuring the call,
             # say): a meter inside it would read the caller's, so none is run.
+            planned.checked = device.type != "cuda"
             return
         if self.loss_fn is None and not planned.graph.meta.outputs_held:
+            planned.checked = True
             return  # planned for a loss this planner no longer has (unpickled)
-        self._measured(planned, self._metered_step(planned, args, kwargs, device))
-        if planned.key in self._excess:
-            self._plan_again(planned, args, kwargs, *self._excess.pop(planned.key))
+        if device.type != "cuda":
+            self._hold_budget(planned, args, kwargs, device)
+        if self._check_time(planned, args, kwargs, device) and device.type != "cuda":
+            planned.checked = False
+            self._hold_budget(planned, args, kwargs, device)
+
+    def _hold_budget(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> None:
+        """Off CUDA: meter the plan's step, plan again while it measures over its
+        prediction (:meth:`_over_prediction`), and warn once."""
+        planned.checked = True
+        said = ""
+        while True:
+            self._measured(planned, self._metered_step(planned, args, kwargs, device))
+            if planned.key not in self._excess:
+                break
+            said = self._over_prediction(planned, args, kwargs, *self._excess.pop(planned.key)) or said
+            if planned.checked:
+                break
+        planned.checked = True
+        if said:
+            warn_caller(said)
+
+    def _check_time(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> bool:
+        """Time ``planned``'s step against the plain step's, in this process
+        (:func:`~lightning_remat.runtime.stepcheck.timed_steps`: the least of a few of
+        each, alternating). Where the measured extra time is off the plan's prediction by
+        more than :data:`~lightning_remat.runtime.stepcheck.TIME_POINTS` of the plain step
+        and by more than the noise (:func:`~lightning_remat.runtime.stepcheck.time_error`),
+        the graph's times are set to reproduce the measurement
+        (:func:`~lightning_remat.runtime.stepcheck.correct_times`) and the plan chosen
+        again by the solver with them; one warning says so. Once per input key; not for a
+        plan that recomputes nothing, one from the cache or a checkpoint (timed when it was
+        made, its graph stored with the corrected times), nor a graph profiled op by op
+        (safe mode: the plain step may not fit). Whether the plan changed."""
+        plan, graph = planned.plan, planned.graph
+        if planned.key in self._timed or plan.count("recompute") == 0 or graph.meta.safe \
+                or planned.from_cache:  # its graph's times were checked when it was made
+            return False
+        self._timed.add(planned.key)
+        wrapper, mode = self.remat_module, self.remat_module.training
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True  # not .train(): the module's own flags are restored above
+            try:
+                measured = (self.step_times or timed_steps)(
+                    self._timed_step(planned, args, kwargs, plain=True),
+                    self._timed_step(planned, args, kwargs, plain=False), device)
+            finally:
+                wrapper.training = mode
+        predicted = predicted_extra_seconds(graph, plan)
+        if time_error(predicted, measured) is None:
+            return False
+        changed = correct_times(graph, plan, measured.extra_seconds)
+        if not changed:
+            return False
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        budget = planned.budget_bytes
+        assert budget is not None
+        try:
+            again = self._solve(graph, budget, options)
+        except RematInfeasibleError:
+            return False  # the times changed, not the memory: the same budget is met
+        if [(s.nodes, s.action) for s in again.stages] == [(s.nodes, s.action) for s in plan.stages]:
+            plan.predicted_extra_seconds = again.predicted_extra_seconds  # as now predicted
+            return False
+        plain = measured.plain_seconds
+        said = (f"lightning_remat: the planned step took {measured.extra_seconds / plain:+.1%} over "
+                f"the plain step's time, where {predicted / plain:+.1%} was predicted; {changed}, and the plan "
+                f"chosen again with those times: {again.solver}, {again.count('recompute')} recomputed "
+                f"stages, predicted {again.predicted_extra_seconds / plain:+.1%}")
+        self._use_plan(planned, args, kwargs, again)
+        self._replans.pop(planned.key, None)  # the new plan's memory is measured afresh
+        warn_caller(said)
+        return True
+
+    def _timed_step(self, planned: Planned, args: tuple, kwargs: dict, plain: bool) -> Callable[[], None]:
+        """One training step, plain (the module's own forward) or under ``planned``'s plan,
+        as the profile took it; each parameter's gradient as before it (the caller keeps
+        the module's state, :func:`~lightning_remat.graph.effects.preserved_state`)."""
+        loss_fn = self.loss_fn or loop_loss
+        args, kwargs = pytree.tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
+        holders = [p for p in self.module.parameters() if p.requires_grad]
+        holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrapper, module = self.remat_module, self.module
+        held = bool(planned.graph.meta.outputs_held)
+
+        def forward() -> Any:
+            return module(*args, **kwargs) if plain else wrapper._run(planned.variant, args, kwargs)
+
+        def run(step: Callable[[], None]) -> int:
+            step()
+            return 0
+
+        return lambda: metered_step(forward, loss_fn, held, holders, run) and None
 
     def _metered_step(self, planned: Planned, args: tuple, kwargs: dict, device: torch.device) -> int:
         """One training step of ``planned``'s plan under the meter, as the profile took the
@@ -629,25 +771,79 @@ class Planner:
         if peak > plan.guaranteed_peak_bytes:
             self._excess[planned.key] = (int(peak), int(peak) - int(plan.predicted_peak_bytes))
 
-    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> None:
-        """Solve ``planned``'s graph again with the model's margin raised by what its first
-        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
-        plan from this call on; one warning says so."""
-        graph, old, budget = planned.graph, planned.plan, planned.budget_bytes
+    def _over_prediction(self, planned: Planned, args: tuple, kwargs: dict, peak: int, excess: int) -> str:
+        """A first step measured ``peak``, ``excess`` over its plan's prediction and over
+        the prediction with its margin. Planned again (:meth:`_plan_again`, the margin raised
+        by the excess: the budget handed to the solver lowered by that much), at most
+        :data:`STEP_REPLANS` times per input, with ``planned.checked`` False so that the new
+        plan's first step is measured in turn. Where no plan fits with that margin, or the
+        last new plan measured over too: kept if the step measured within the budget,
+        otherwise refused (:class:`~lightning_remat.errors.RematInfeasibleError` with the
+        measured peak and the smallest budget that holds with the margin raised; the input
+        keeps no plan). Returns the line to warn ("" when there is none)."""
+        budget = planned.budget_bytes
         assert budget is not None
-        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
-        device = module_device(self.module, args)
+        old = planned.plan
         said = (f"lightning_remat: the first training step under the plan measured "
                 f"{format_bytes(peak)}, {format_bytes(excess)} over its prediction of "
                 f"{format_bytes(old.predicted_peak_bytes)}")
+        replans = self._replans.get(planned.key, 0)
+        plan = self._plan_again(planned, args, kwargs, excess) if replans < STEP_REPLANS else None
+        if plan is not None:
+            self._replans[planned.key] = replans + 1
+            planned.checked = False  # the new plan's first step is measured too
+            times = "" if replans == 0 else f" ({replans + 1} times)"
+            return (f"{said}; planned again{times} with the model's margin raised by that much: "
+                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
+                    f"{format_bytes(budget)}")
+        planned.checked = True
+        if peak <= budget:
+            return f"{said}, within the budget of {format_bytes(budget)}: the plan stays"
+        self._refuse(planned, args, peak)
+        raise AssertionError("unreachable")
+
+    def _refuse(self, planned: Planned, args: tuple, peak: int) -> None:
+        """Raise the refusal of a step measured over its budget: the input's plan is taken
+        out (its next call plans it again, and the message is met again unless the budget
+        changed), and the error names the smallest budget that holds with the margin raised
+        by what the step measured over."""
+        budget = planned.budget_bytes
+        assert budget is not None
+        self.planned.pop(planned.key, None)
+        self.remat_module.variants.pop(planned.key, None)
+        if self.last is planned:
+            self.last = None
+        self._replans.pop(planned.key, None)
+        device = module_device(self.module, args)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        try:
+            least = self.smallest_budget(planned.graph, options, planned.variant.hooked is not None)
+        except RematInfeasibleError:
+            least = None
+        if least is not None:
+            least = max(int(least), int(peak))
+        raise RematInfeasibleError(budget, least, measured_peak_bytes=peak)
+
+    def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, excess: int) -> Plan | None:
+        """Solve ``planned``'s graph again with the model's margin raised by what its first
+        step measured above the prediction (``meta.measured_excess_bytes``), and run the new
+        plan from this call on; None (the plan unchanged) where no plan fits with it."""
+        graph, budget = planned.graph, planned.budget_bytes
+        assert budget is not None
+        graph.meta.measured_excess_bytes = max(int(graph.meta.measured_excess_bytes or 0), excess)
+        device = module_device(self.module, args)
         try:
             plan = self._solve(graph, budget, solver_options(self.settings.solver, device, self.settings.offload))
-        except RematInfeasibleError as refused:
-            smallest = ("" if refused.min_budget_bytes is None else
-                        f" (the smallest budget that does is {format_bytes(refused.min_budget_bytes)})")
-            warn_caller(f"{said}; with that margin no plan fits {format_bytes(budget)}{smallest}: "
-                        "the plan stays; raise memory_budget")
-            return
+        except RematInfeasibleError:
+            return None
+        self._use_plan(planned, args, kwargs, plan)
+        return plan
+
+    def _use_plan(self, planned: Planned, args: tuple, kwargs: dict, plan: Plan) -> None:
+        """Run ``plan`` (made for ``planned``'s graph and budget) for ``planned``'s input
+        from this call on, and store it in the cache in place of the old."""
+        graph, budget = planned.graph, planned.budget_bytes
+        device = module_device(self.module, args)
         with preserved_state(self.module, [device]):
             traced = self._trace(self.module, args, kwargs)
         if traced.kind == CHILDREN:
@@ -656,13 +852,11 @@ class Planner:
             plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
         variant.budget_bytes = budget
-        planned.variant = self.remat_module.variants[planned.key] = variant
-        planned.checked = True  # measured once per input: the margin now covers what was seen
+        planned.variant = variant
+        if planned.key in self.remat_module.variants:
+            self.remat_module.variants[planned.key] = variant
         if self.cache is not None and planned.basis is not None:
             self.cache.put(planned.basis, graph, plan)
-        warn_caller(f"{said}; planned again with the model's margin raised by that much: "
-                    f"{plan.solver}, predicted {format_bytes(plan.guaranteed_peak_bytes)} within "
-                    f"{format_bytes(budget)}")
 
     # ---- planning one input ---------------------------------------------------------------
     def _plan(self, args: tuple, kwargs: dict, key: InputKey, exchange: Exchange | None) -> Planned:
@@ -696,12 +890,11 @@ class Planner:
             plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, module, graph)
         read = getattr(self, "_budget_read", None)
-        variant.budget_bytes = read if read is not None else \
-            settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        variant.budget_bytes = read if read is not None else self._budget(graph, device)
         self._budget_read = None
         variant.from_cache = from_store
         example = move_to_device((tuple(args), dict(kwargs)), torch.device("cpu")) if self.keep_example else None
-        return Planned(key, variant, self.remat_module, example, basis)
+        return Planned(key, variant, self.remat_module, example, basis=basis, traced=traced)
 
     def _plan_locally(self, args: tuple, kwargs: dict, key: InputKey, traced: Traced,
                       basis: PlanBasis, exchange: Exchange | None = None) -> tuple[Graph, Plan, bool]:
@@ -750,10 +943,18 @@ class Planner:
             (graph.meta.recompute_stage_seconds,
              graph.meta.recompute_vertex_seconds) = measure_recompute_overhead(device)
         profiled = time.perf_counter()
-        budget = self._budget_read = settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        budget = self._budget_read = self._budget(graph, device)
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
-        plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
+        try:
+            plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
+        except RematInfeasibleError as refused:
+            if getattr(self, "step_budget", None) is None or isinstance(refused, SolverDeclinedError) \
+                    or self.ranks is not None or self.sharding != "none":
+                raise
+            # Another module of the step gives up what this one needs, or the step refuses.
+            budget = self._budget_read = self.step_budget.over(self, refused)
+            plan = self._accepted_plan(graph, budget, options, traced.kind == CHILDREN)
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,
@@ -766,7 +967,7 @@ class Planner:
         against this run's budget, with its prediction recomputed; None, after one warning,
         when it does not cover its graph or is over the budget (the caller plans afresh, and
         a fresh plan replaces it in the cache)."""
-        budget = self._budget_read = self.settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        budget = self._budget_read = self._budget(graph, device)
         excess = int(graph.meta.measured_excess_bytes or 0)
         plain_fits = (budget is not None and self.settings.solver == "auto" and bool(graph.meta.plain_peak_bytes)
                       and plain_peak_bytes(graph) + excess <= budget)
@@ -777,6 +978,43 @@ class Planner:
             warn_caller(f"lightning-remat: the {source}'s plan for this input is not used: {exc}; "
                         "planning again")
             return None
+
+    def _budget(self, graph: Graph, device: torch.device) -> int | None:
+        """The budget ``graph`` is planned at: the settings', or where several modules of a
+        training step share one (:class:`~lightning_remat.step_budget.StepBudget`), what
+        it leaves this one."""
+        own = self.settings.budget_bytes(graph, device, getattr(self, "free_memory", None))
+        if own is None or getattr(self, "step_budget", None) is None or self.ranks is not None \
+                or self.sharding != "none":
+            return own  # ranks plan each module on its own (they must re-plan together)
+        return self.step_budget.grant(self, graph, own, plain_peak_bytes(graph))
+
+    def least_budget(self, entry: Planned) -> int | None:
+        """The smallest budget ``entry``'s graph is planned at (:meth:`smallest_budget`);
+        for an entry loaded without its capture, which cannot be planned again here, the
+        budget its plan was made for."""
+        if entry.traced is None:
+            return entry.budget_bytes
+        device = module_device(self.module)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        return self.smallest_budget(entry.graph, options, entry.variant.hooked is not None)
+
+    def plan_within(self, entry: Planned, budget: int) -> None:
+        """Plan ``entry``'s input again at ``budget`` (lower than it was: another module of
+        the step needs the rest), from its next call on."""
+        device = module_device(self.module)
+        options = solver_options(self.settings.solver, device, self.settings.offload)
+        assert entry.traced is not None
+        plan = self._accepted_plan(entry.graph, budget, options, entry.traced.kind == CHILDREN)
+        if not any(note.startswith("capture: ") for note in plan.notes):
+            plan.notes.insert(0, entry.traced.granularity())
+        variant = build_traced_variant(entry.traced, plan, self.remat_module, self.module, entry.graph)
+        variant.budget_bytes = budget
+        entry.variant = variant
+        if entry.key in self.remat_module.variants:
+            self.remat_module.variants[entry.key] = variant
+        if self.cache is not None and entry.basis is not None:
+            self.cache.put(entry.basis, entry.graph, plan)
 
     def _accepted_plan(self, graph: Graph, budget: int | None, options: dict[str, Any],
                        per_submodule: bool) -> Plan:
@@ -886,6 +1124,8 @@ class Planner:
 
 
 Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
+StepTimer = Callable[[Callable[[], None], Callable[[], None], torch.device], StepTimes]
+"""Times a plain and a planned step: ``(plain, planned, device) -> StepTimes``."""
 Tracer = Callable[[nn.Module, tuple, dict], Traced]
 """Gives the graph of one call: ``(module, args, kwargs, traced) -> Graph``."""
 

@@ -43,6 +43,7 @@ FLOW: list[tuple[str, ...]] = [
     ("runtime.module",),
     ("cache",),
     ("messages",),
+    ("step_budget",),
     ("planner",),
     ("tuning",),
     ("report",),
@@ -65,7 +66,7 @@ EMPTY_PACKAGES = ("graph", "runtime", "lightning")
 """Package ``__init__`` files that only name their folder (they import nothing)."""
 
 LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "imports", "graph", "solvers", "runtime",
-                  "cache", "messages", "planner", "tuning", "report", "registration")
+                  "cache", "messages", "step_budget", "planner", "tuning", "report", "registration")
 """Modules that must work without Lightning (the solvers are algorithms over the graph IR)."""
 
 LONG = 500

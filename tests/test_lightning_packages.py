@@ -3,6 +3,7 @@ what a LightningModule's training_step runs."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -243,3 +244,60 @@ def test_target_still_names_the_module_planned(tmp_path):
     strategy = RematStrategy(memory_budget="50%", target="head", cache_dir=tmp_path / "cache")
     _fit_steps(tmp_path, CallsEncoderThenHead, strategy)
     assert list(strategy.planners) == ["head"]
+
+
+class CallsEncoderThenSmallHead(_Recorded):
+    """An encoder and a head of one Linear layer, which alone cannot reach 45% of its own
+    plain peak (it has nothing to recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _mlp(64, 40)
+        self.head = nn.Linear(64, 64)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.head(self.encoder(batch[0])), batch[1])
+
+
+def _shared(strategy) -> tuple[int, int]:
+    """The step's budget the planned modules share, and what their plans take together."""
+    shared = strategy._step_budget
+    return shared.total(), sum(shared.used(name) for name in shared.members)
+
+
+def test_modules_called_in_turn_share_one_budget_for_the_step(tmp_path):
+    """At 45% the head alone cannot be planned within 45% of its own peak: it takes the
+    least it needs and the encoder is planned again lower, so the two plans together stay
+    within 45% of the two plain peaks together, and training is plain training's."""
+    from lightning_remat.planner import plain_peak_bytes
+
+    plain = _fit_steps(tmp_path / "plain", CallsEncoderThenSmallHead, "auto")
+    strategy = RematStrategy(memory_budget="45%", cache_dir=tmp_path / "cache")
+    remat = _fit_steps(tmp_path / "remat", CallsEncoderThenSmallHead, strategy)
+    assert list(strategy.planners) == ["encoder", "head"]
+    head = strategy.planners["head"].last
+    assert head.plan.guaranteed_peak_bytes > 0.45 * plain_peak_bytes(head.graph)
+    total, used = _shared(strategy)
+    peaks = sum(plain_peak_bytes(p.last.graph) for p in strategy.planners.values())
+    assert total == sum(int(0.45 * plain_peak_bytes(p.last.graph)) for p in strategy.planners.values())
+    assert used <= total < peaks
+    for step, (a, b) in enumerate(zip(plain.grads, remat.grads)):
+        for name in a:
+            assert torch.allclose(a[name], b[name], atol=1e-6, rtol=0), (step, name)
+
+
+def test_a_step_budget_no_modules_fit_together_names_them_and_advises_a_budget_that_is_accepted(tmp_path):
+    from lightning_remat.errors import RematInfeasibleError
+
+    strategy = RematStrategy(memory_budget="30%", cache_dir=tmp_path / "cache")
+    with pytest.raises(RematInfeasibleError) as refused:
+        _fit_steps(tmp_path / "low", CallsEncoderThenSmallHead, strategy)
+    message = str(refused.value)
+    assert "'encoder'" in message or "encoder at least" in message
+    assert "head" in message
+    advised = re.search(r"memory_budget='([0-9.]+%)'", message)
+    assert advised, message
+    strategy = RematStrategy(memory_budget=advised.group(1), cache_dir=tmp_path / "cache2")
+    _fit_steps(tmp_path / "advised", CallsEncoderThenSmallHead, strategy)
+    total, used = _shared(strategy)
+    assert used <= total

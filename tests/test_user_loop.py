@@ -185,7 +185,14 @@ def _chain(step_peak=None):
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(64, 64), nn.Tanh())])
     x = torch.randn(512, 64)
-    return Planner(model, PlanSettings("70%"), step_peak=step_peak), x
+    return Planner(model, PlanSettings("70%"), step_peak=step_peak, step_times=_on_time), x
+
+
+def _on_time(plain, planned, device):
+    """The plan's step timed as predicted (the memory is what these tests measure)."""
+    from lightning_remat.runtime.stepcheck import StepTimes
+
+    return StepTimes(1.0, 1.0, 0.0)
 
 
 def _planned(planner, x):
@@ -199,9 +206,9 @@ def test_the_first_step_over_its_prediction_is_planned_again() -> None:
     plan's margin on this chain (a test double in place of the real one, which runs the
     step it is given): the input is planned again as planning ends, its margin raised by
     the excess (and by what the real meter read over the prediction), the new plan within
-    the budget with it, and the calls run the new plan; one warning says so, and only one
-    step is measured. The gradients are the plain model's, as if the metered step had not
-    run."""
+    the budget with it, and the calls run the new plan; one warning says so. The new plan's
+    step is measured too (within its raised margin: no more planning), and no later step.
+    The gradients are the plain model's, as if the metered steps had not run."""
     import copy
     import warnings
 
@@ -229,7 +236,7 @@ def test_the_first_step_over_its_prediction_is_planned_again() -> None:
     said = [str(w.message) for w in caught if "first training step" in str(w.message)]
     assert len(said) == 1, said
     assert "over its prediction" in said[0] and "planned again" in said[0], said
-    assert measured == [1]
+    assert measured == [1, 1]
     again = module.plan
     assert again.count("recompute") > 0
     assert planner.last.variant.plan is again
@@ -266,3 +273,139 @@ def test_a_first_step_within_its_prediction_keeps_the_plan() -> None:
     measured = planner.last.measured_peak_bytes
     assert measured is not None and 0 < measured <= first.guaranteed_peak_bytes
     assert _len_torch_dispatch_stack() == 0 and not _profiler_enabled()
+
+
+def test_a_first_step_still_over_its_budget_is_refused_with_a_budget_that_is_accepted() -> None:
+    """A meter that reads every step 60% of the plain peak over what it is (more than any
+    plan at 70% can leave): planned again twice (each new plan's step measured), then
+    refused with RematInfeasibleError saying what the step measured and the smallest
+    budget that holds; the module is left as it was (no plan kept for the input, its
+    forward its own). That budget, given, is accepted: its plan, measured with the same
+    meter, holds it, and trains as the plain model does."""
+    import copy
+
+    import pytest
+    import torch
+
+    from lightning_remat.errors import RematInfeasibleError
+    from lightning_remat.meter import peak_bytes
+    from lightning_remat.planner import STEP_REPLANS, Planner, PlanSettings, plain_peak_bytes
+
+    planner, x = _chain()
+    reference = copy.deepcopy(planner.module)
+    excess = int(0.6 * 4 * 512 * 64 * 33)  # 60% of the chain's activations, about its plain peak
+    readings: list[int] = []
+
+    def over_reading(step, device) -> int:
+        readings.append(peak_bytes(step, device) + excess)
+        return readings[-1]
+
+    planner.step_peak = over_reading
+    with pytest.raises(RematInfeasibleError) as refused:
+        _planned(planner, x)
+    error = refused.value
+    assert len(readings) <= STEP_REPLANS + 1
+    assert error.measured_peak_bytes == readings[-1] > error.budget_bytes
+    assert "measured" in str(error) and "raise memory_budget to at least" in str(error)
+    assert error.min_budget_bytes is not None and error.min_budget_bytes > error.budget_bytes
+    assert not planner.planned and not planner.remat_module.variants
+    assert "forward" not in planner.module.__dict__
+    torch.testing.assert_close(planner.module(x), reference(x))
+
+    readings.clear()
+    accepted = Planner(planner.module, PlanSettings(error.min_budget_bytes), step_peak=over_reading,
+                       step_times=_on_time)
+    _planned(accepted, x)
+    module = accepted.remat_module
+    assert module.budget_bytes == error.min_budget_bytes < plain_peak_bytes(module.graph) + excess
+    assert accepted.last.measured_peak_bytes <= module.budget_bytes
+    for _ in range(2):
+        module(x).sum().backward()
+        reference(x).sum().backward()
+        for mine, theirs in zip(accepted.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_modules_called_in_turn_hold_their_shared_budget_at_the_meter() -> None:
+    """An encoder and a one-Linear head, each planned by its own planner, sharing the
+    step's budget at 45% (the head alone cannot reach 45% of its own peak): from the step
+    after planning, the step that calls them in turn, measured by the meter, is within
+    45% of their plain peaks together and under the plain step's peak, and its gradients
+    are the plain model's."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from lightning_remat.meter import peak_bytes
+    from lightning_remat.planner import Planner, PlanSettings, plain_peak_bytes
+    from lightning_remat.step_budget import StepBudget
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(*[m for _ in range(40) for m in (nn.Linear(64, 64), nn.Tanh())])
+    head = nn.Linear(64, 64)
+    plain_encoder, plain_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    x, y = torch.randn(512, 64), torch.randint(0, 64, (512,))
+    shared = StepBudget("45%")
+    shared.detecting = True
+    planners = {name: Planner(module, PlanSettings("45%"), step_times=_on_time)
+                for name, module in (("encoder", encoder), ("head", head))}
+    for name, planner in planners.items():
+        shared.add(name, planner)
+
+    def step(first, second):
+        def run() -> None:
+            out = second(first(x))  # alive until the step ends, as in the loop people write
+            nn.functional.cross_entropy(out, y).backward()
+        return run
+
+    step(planners["encoder"], planners["head"])()
+    shared.check()
+    head_entry = planners["head"].last
+    assert head_entry.plan.guaranteed_peak_bytes > 0.45 * plain_peak_bytes(head_entry.graph)
+    total = shared.total()
+    assert total == sum(int(0.45 * plain_peak_bytes(p.last.graph)) for p in planners.values())
+    for module in (encoder, head, plain_encoder, plain_head):
+        module.zero_grad(set_to_none=True)
+    plain = peak_bytes(step(plain_encoder, plain_head))
+    for module in (encoder, head):
+        module.zero_grad(set_to_none=True)
+    measured = peak_bytes(step(planners["encoder"], planners["head"]))
+    assert measured <= total < plain, (measured, total, plain)
+    for mine, theirs in zip([*encoder.parameters(), *head.parameters()],
+                            [*plain_encoder.parameters(), *plain_head.parameters()]):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def test_steps_measured_after_planning_replan_twice_then_refuse() -> None:
+    """The check of a step measured by the caller's own step (on CUDA, when its backward
+    ends; here its readings given): a step over its plan's prediction plans the input again
+    at its next call, with the new plan's first step measured in turn; after two re-plans a
+    step still over the budget is refused at the next call, naming what it measured, and
+    the input keeps no plan."""
+    import warnings
+
+    import pytest
+
+    from lightning_remat.errors import RematInfeasibleError
+    from lightning_remat.planner import STEP_REPLANS
+
+    planner, x = _planned(*_chain())
+    module = planner.remat_module
+    budget = planner.last.budget_bytes
+    for _ in range(STEP_REPLANS):
+        entry = planner.last
+        entry.checked = True
+        planner._measured(entry, entry.plan.guaranteed_peak_bytes + 1024)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module(x)
+        said = [str(w.message) for w in caught if "planned again" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
+        assert not planner.last.checked  # the new plan's first step is to be measured
+        assert planner.last.plan.guaranteed_peak_bytes <= budget
+    planner._measured(planner.last, budget + 1)
+    with pytest.raises(RematInfeasibleError) as refused:
+        module(x)
+    assert refused.value.measured_peak_bytes == budget + 1 and "measured" in str(refused.value)
+    assert not planner.planned

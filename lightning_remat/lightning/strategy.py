@@ -40,6 +40,7 @@ from lightning_remat.messages import DistributedRanks
 from lightning_remat.planner import Planned, Planner, PlanSettings
 from lightning_remat.report import format_plan
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.step_budget import StepBudget, named_refusal
 
 __all__ = ["CHECKPOINT_KEY", "RematDDPStrategy", "RematHooks", "RematStrategy", "forward_routed"]
 
@@ -148,6 +149,7 @@ class RematHooks:
         self._restored: dict[str | None, dict[str, StoredPlan]] = {}
         self._in_training_step = False
         self._planning_paused = False
+        self._step_budget = StepBudget(memory_budget)  # the step's modules share one budget
 
     @property
     def planner(self) -> Planner | None:
@@ -234,6 +236,7 @@ class RematHooks:
         # step ends, every module's calls pass through a route that plans the outermost
         # ones (the first call of each goes to its planner, so no batch runs unplanned).
         self._detecting = True
+        self._step_budget.detecting = True
         for name, module in lightning_module.named_modules():
             self._route.enter_context(forward_routed(module, self._detecting_route(name, module)))
 
@@ -242,6 +245,7 @@ class RematHooks:
         if not self.planners and None in self._restored:  # a checkpoint from before names
             restored.update(self._restored.pop(None))  # type: ignore[call-overload]
         planner = Planner(module, self.remat_settings, restored=restored, **self._planner_options)
+        self._step_budget.add(name, planner)
         self.planners[name] = planner
         self._planned_modules[name] = module
         return planner
@@ -254,7 +258,7 @@ class RematHooks:
             run = planner if self._depth == 0 and self.plans_call(module) else original_forward
             self._depth += 1
             try:
-                return run(*args, **kwargs)
+                return named_refusal(run, name)(*args, **kwargs) if run is planner else run(*args, **kwargs)
             finally:
                 self._depth -= 1
 
@@ -269,7 +273,7 @@ class RematHooks:
                 if module.training and torch.is_grad_enabled():  # an outermost module of the step
                     planner = self.planners.get(name) or self._add_planner(name, module)
                     if self.plans_call(module):
-                        run = planner
+                        run = named_refusal(planner, name)
                 else:
                     label = name or "the LightningModule"
                     self._ran_unplanned[label] = "in eval mode" if not module.training else "without grad"
@@ -281,13 +285,18 @@ class RematHooks:
 
         return route
 
-    def _end_detection(self) -> None:
+    def _end_detection(self, check: bool = True) -> None:
         """After the first training step: keep the routes of the modules it ran, or warn
-        that it ran none the strategy could plan."""
+        that it ran none the strategy could plan; with ``check`` (it ended without an error)
+        hold their plans to the step's budget together (``StepBudget.check``)."""
         self._detecting = False
         self._route.close()
         for name, module in self._planned_modules.items():
             self._route.enter_context(forward_routed(module, self._planned_route(name, module)))
+        if not check:
+            self._step_budget.detecting, self._step_budget.deferred = False, {}
+            return
+        self._step_budget.check()  # the modules the step ran hold its budget together
         if not self.planners:
             ran = "; ".join(f"{n} ({why})" for n, why in self._ran_unplanned.items()) or (
                 "no module's forward, the LightningModule's or a submodule's")
@@ -342,12 +351,14 @@ class RematHooks:
     @contextlib.contextmanager
     def _training_step_scope(self) -> Iterator[None]:
         self._in_training_step = True
+        ended = False
         try:
             yield
+            ended = True
         finally:
             self._in_training_step = False
             if self._detecting and not self._planning_paused:  # the batch-size search's steps do not count
-                self._end_detection()
+                self._end_detection(check=ended)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:

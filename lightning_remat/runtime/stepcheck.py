@@ -16,17 +16,40 @@ next call. Instead, as the last part of planning, one metered step of the new pl
 (:func:`metered_step`): the plan's forward, the loss the plan was made for and its
 backward, with the meter entered and left around exactly that step; the module's state
 (buffers, RNG, modes) and its gradients are as before it.
+
+Its time is measured too (:func:`timed_steps`): the least of a few planned steps against
+the least of as many plain steps, alternating, in the same process. Where the planned
+step's extra time is off the plan's prediction by more than :data:`TIME_POINTS` of the
+plain step, and by more than the steps' own noise, :func:`correct_times` sets the graph's
+times so that the model reproduces the measurement, and the planner chooses the plan again
+(docs/design.md section 4.7).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CudaStepMeter", "metered_step", "watch_backward"]
+from lightning_remat.graph.ir import Graph
+from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.scoring import make_plan
+
+__all__ = [
+    "TIMED_STEPS", "TIME_POINTS", "CudaStepMeter", "StepTimes", "correct_times", "metered_step",
+    "predicted_extra_seconds", "time_error", "timed_steps", "watch_backward",
+]
+
+TIME_POINTS = 0.05
+"""How far, as a share of the plain step, the measured extra time of a plan may be off its
+prediction before the graph's times are corrected (5 points)."""
+
+TIMED_STEPS = 3
+"""Plain and planned steps timed each, alternating; the least of each is taken."""
 
 
 class CudaStepMeter:
@@ -96,3 +119,107 @@ def metered_step(forward: Callable[[], Any], loss_fn: Callable[[Any], torch.Tens
     finally:
         for t, grad in kept:
             t.grad = grad
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """A plan's step timed against the plain step's in the same process."""
+
+    plain_seconds: float
+    """The least of the plain steps."""
+    planned_seconds: float
+    """The least of the planned steps."""
+    noise_seconds: float = 0.0
+    """How far the second-least step of a kind lay above the least, the larger of the two
+    kinds: a difference within it is not told apart from noise."""
+
+    @property
+    def extra_seconds(self) -> float:
+        """The planned step's time beyond the plain step's."""
+        return self.planned_seconds - self.plain_seconds
+
+
+def timed_steps(plain: Callable[[], None], planned: Callable[[], None], device: torch.device,
+                steps: int = TIMED_STEPS) -> StepTimes:
+    """Time ``steps`` runs each of ``plain()`` and ``planned()``, alternating (a slow spell
+    of the machine falls on both kinds), each synchronised with the device; the least of
+    each kind, and the noise (:attr:`StepTimes.noise_seconds`)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {"plain": [], "planned": []}
+    for _ in range(max(int(steps), 2)):
+        for name, run in (("plain", plain), ("planned", planned)):
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    plain_times, planned_times = sorted(times["plain"]), sorted(times["planned"])
+    noise = max(plain_times[1] - plain_times[0], planned_times[1] - planned_times[0])
+    return StepTimes(plain_times[0], planned_times[0], noise)
+
+
+def time_error(predicted_extra_seconds: float, measured: StepTimes) -> float | None:
+    """How far the measured extra time is off the prediction, in seconds (positive: the
+    step is slower than predicted), where that is more than :data:`TIME_POINTS` of the
+    plain step and more than twice the noise; None where it is within either."""
+    off = measured.extra_seconds - float(predicted_extra_seconds)
+    if measured.plain_seconds <= 0:
+        return None
+    if abs(off) <= TIME_POINTS * measured.plain_seconds or abs(off) <= 2 * measured.noise_seconds:
+        return None
+    return off
+
+
+def predicted_extra_seconds(graph: Graph, plan: Plan) -> float:
+    """``plan``'s extra time as the model of ``graph`` (its times as they are now) gives it:
+    the plan's stages scored again (:func:`~lightning_remat.solvers.scoring.make_plan`)."""
+    stages = [Stage(list(s.nodes), s.action) for s in plan.stages]
+    return float(make_plan(graph, stages, plan.solver, stored=list(plan.stored)).predicted_extra_seconds)
+
+
+def correct_times(graph: Graph, plan: Plan, measured_extra_seconds: float) -> str:
+    """Set ``graph``'s times so that the model gives ``plan`` the extra time its step
+    measured, and say what changed. The model is ``a * R + k * c_stage + n * c_vertex``
+    (docs/design.md section 4.7): ``R`` the forward time of what the plan runs again, ``k``
+    its recomputed stages and ``n`` their vertices, ``c_stage`` and ``c_vertex`` the
+    executor's own time (``meta.recompute_stage_seconds``, ``meta.recompute_vertex_seconds``)
+    and ``a`` a scale of the vertices' times, 1 as profiled. A step slower than predicted
+    charges the difference to each recomputed stage (what the executor costs beyond the ops
+    it runs again, which the calibration chain measured on other ops than these); a faster
+    one takes it off the stage's time, then the vertex's, and what is left off every
+    vertex's forward time (the profile's op times were high). The plan's stages, scored
+    again, then predict the measured extra time. A plan that recomputes nothing is not
+    corrected ("" returned)."""
+    meta = graph.meta
+    stage0, vertex0 = float(meta.recompute_stage_seconds or 0.0), float(meta.recompute_vertex_seconds or 0.0)
+    meta.recompute_stage_seconds = meta.recompute_vertex_seconds = 0.0
+    recomputed = predicted_extra_seconds(graph, plan)
+    meta.recompute_stage_seconds = 1.0
+    stages = predicted_extra_seconds(graph, plan) - recomputed
+    meta.recompute_stage_seconds, meta.recompute_vertex_seconds = 0.0, 1.0
+    vertices = predicted_extra_seconds(graph, plan) - recomputed
+    meta.recompute_stage_seconds, meta.recompute_vertex_seconds = stage0, vertex0
+    k, n = round(stages), round(vertices)
+    if k <= 0:
+        return ""
+    predicted = recomputed + k * stage0 + n * vertex0
+    off = float(measured_extra_seconds) - predicted
+    stage = stage0 + off / k
+    if stage >= 0:
+        meta.recompute_stage_seconds = stage
+        return (f"the executor's time per recomputed stage set from {stage0 * 1e3:.3f} ms to "
+                f"{stage * 1e3:.3f} ms")
+    left = -stage * k  # still to take off once the stage's time is 0
+    meta.recompute_stage_seconds = 0.0
+    vertex = vertex0 - left / n if n else -1.0
+    if vertex >= 0:
+        meta.recompute_vertex_seconds = vertex
+        return (f"the executor's time per recomputed stage set from {stage0 * 1e3:.3f} ms to 0 and per "
+                f"vertex from {vertex0 * 1e3:.3f} ms to {vertex * 1e3:.3f} ms")
+    left -= vertex0 * n
+    meta.recompute_vertex_seconds = 0.0
+    scale = max(recomputed - left, 0.0) / recomputed if recomputed > 0 else 1.0
+    scale = max(scale, 0.01)  # a time model of no time at all would recompute anything
+    for node in graph.nodes:
+        node.t_fwd *= scale
+    return (f"the executor's own time set to 0 and every op's forward time scaled by {scale:.3f}")
