@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_remat import remat
+from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.trace import trace_module
 
 
@@ -159,7 +160,14 @@ def test_an_input_written_in_place_is_left_as_plain_training_leaves_it() -> None
     plain = copy.deepcopy(model)
     example = torch.randn(2048, 64) + 3
     given = example.clone()
-    planned = remat(model, example, "75%")
+    try:
+        planned = remat(model, example, "75%")
+    except RematInfeasibleError as refused:
+        # The step holds the input twice where its write runs out of place, which the model
+        # does not count (docs/limitations.md): the first step measured over 75%, and the
+        # budget it names holds.
+        assert torch.equal(example, given), "a refused remat() modified the example input"
+        planned = remat(model, example, refused.min_budget_bytes)
     assert torch.equal(example, given), "remat() modified the example input it was given"
     assert planned.plan.count("recompute") > 0
     for step in range(2):
