@@ -701,6 +701,8 @@ class Planner:
             return False  # the times changed, not the memory: the same budget is met
         if [(s.nodes, s.action) for s in again.stages] == [(s.nodes, s.action) for s in plan.stages]:
             plan.predicted_extra_seconds = again.predicted_extra_seconds  # as now predicted
+            if self.cache is not None and planned.basis is not None:
+                self.cache.put(planned.basis, graph, plan)  # with the corrected times
             return False
         plain = measured.plain_seconds
         said = (f"lightning_remat: the planned step took {measured.extra_seconds / plain:+.1%} over "
@@ -712,16 +714,24 @@ class Planner:
         warn_caller(said)
         return True
 
-    def _timed_step(self, planned: Planned, args: tuple, kwargs: dict, plain: bool) -> Callable[[], None]:
-        """One training step, plain (the module's own forward) or under ``planned``'s plan,
-        as the profile took it; each parameter's gradient as before it (the caller keeps
-        the module's state, :func:`~lightning_remat.graph.effects.preserved_state`)."""
-        loss_fn = self.loss_fn or loop_loss
+    def _step_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """The call's tensors cut off the caller's graph (inputs another module computed, an
+        encoder's output that a planned head reads: a measured backward stops at them,
+        leaving the caller's graph for its own), and the tensors that take gradients in
+        the step (the module's trainable parameters and those inputs)."""
         args, kwargs = pytree.tree_map(
             lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
             (args, kwargs))
         holders = [p for p in self.module.parameters() if p.requires_grad]
         holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        return args, kwargs, holders
+
+    def _timed_step(self, planned: Planned, args: tuple, kwargs: dict, plain: bool) -> Callable[[], None]:
+        """One training step, plain (the module's own forward) or under ``planned``'s plan,
+        as the profile took it; each parameter's gradient as before it (the caller keeps
+        the module's state, :func:`~lightning_remat.graph.effects.preserved_state`)."""
+        loss_fn = self.loss_fn or loop_loss
+        args, kwargs, holders = self._step_inputs(args, kwargs)
         wrapper, module = self.remat_module, self.module
         held = bool(planned.graph.meta.outputs_held)
 
@@ -742,13 +752,7 @@ class Planner:
         allocated are taken off its reading (as :func:`plain_peak_bytes` does)."""
         graph = planned.graph
         loss_fn = self.loss_fn or loop_loss
-        # Inputs another module computed (an encoder's output that a planned head reads):
-        # the metered backward stops at them, leaving the caller's graph for its own.
-        args, kwargs = pytree.tree_map(
-            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t,
-            (args, kwargs))
-        holders = [p for p in self.module.parameters() if p.requires_grad]
-        holders += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        args, kwargs, holders = self._step_inputs(args, kwargs)
         measure = self.step_peak or peak_bytes
         wrapper = self.remat_module
         mode = wrapper.training

@@ -140,8 +140,14 @@ class StepBudget:
         least = {n: self.members[n].least_budget(self.members[n].last) for n in others}
         if any(v is None for v in least.values()) or least_here + sum(least.values()) > total:  # type: ignore[arg-type]
             raise self._refusal({**least, name: least_here}, total) from None
-        need = least_here + sum(self.used(n) for n in others) - total
-        for other in sorted(others, key=self.used, reverse=True):
+        self._lower(sorted(others, key=self.used, reverse=True), least,
+                    least_here + sum(self.used(n) for n in others) - total)
+        return total - sum(self.used(n) for n in others)
+
+    def _lower(self, order: list[str], least: dict[str, int | None], need: int) -> None:
+        """Plan the modules named in ``order`` again lower, in that order, each no lower
+        than its least, until ``need`` bytes are freed for the step."""
+        for other in order:
             if need <= 0:
                 break
             before = self.used(other)
@@ -149,7 +155,6 @@ class StepBudget:
             if target < before:
                 self.members[other].plan_within(self.members[other].last, target)
                 need -= before - self.used(other)
-        return total - sum(self.used(n) for n in others)
 
     def check(self) -> None:
         """At the end of the first training step: a module planned at its least before the
@@ -169,15 +174,8 @@ class StepBudget:
                      self.members[n].least_budget(self.members[n].last)) for n in names}
         if any(v is None for v in least.values()) or sum(int(v or 0) for v in least.values()) > total:
             raise self._refusal(least, total)
-        need = sum(self.used(n) for n in names) - total
-        for other in sorted(names, key=lambda n: self.used(n) - int(least[n] or 0), reverse=True):
-            if need <= 0:
-                break
-            before = self.used(other)
-            target = max(int(least[other] or 0), before - need)
-            if target < before:
-                self.members[other].plan_within(self.members[other].last, target)
-                need -= before - self.used(other)
+        self._lower(sorted(names, key=lambda n: self.used(n) - int(least[n] or 0), reverse=True), least,
+                    sum(self.used(n) for n in names) - total)
 
     def _refusal(self, least: dict[str, int | None], total: int) -> RematInfeasibleError:
         needed = sum(int(v or 0) for v in least.values())

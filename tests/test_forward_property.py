@@ -27,23 +27,12 @@ from torch import nn
 
 import lightning_remat
 from lightning_remat.errors import RematError, RematInfeasibleError
+from tests.test_forward_meaning import Round as StraightThrough
 
 WIDTH = 64
 BATCH = 64
 KINDS = ("linear", "no_grad", "enable_grad_in_no_grad", "set_grad_enabled", "function",
          "branch", "inplace_chain")
-
-
-class StraightThrough(torch.autograd.Function):
-    """round() forward, identity backward: the autograd of round() would give zeros."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class Generated(nn.Module):

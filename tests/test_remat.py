@@ -109,10 +109,14 @@ def test_remat_leaves_the_model_as_it_found_it() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_device() -> None:
+def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner measures what a recomputed stage costs the executor itself (once per
     device, leaving the process's RNG, grad mode and warning filters as they were) and the
-    plan's predicted extra time includes it."""
+    plan's predicted extra time includes it. The first step's timing, which would correct
+    these times where the step measured otherwise (``tests/test_first_step_time.py``), is
+    taken as on time here: on a loaded machine it can find the step slower."""
+    monkeypatch.setattr(planner_module, "time_error", lambda predicted, measured: None)
     from lightning_remat.runtime.module import measure_recompute_overhead
     from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.scoring import recomputed_seconds

@@ -113,6 +113,17 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return copied
 
 
+def _reads_after_in_its_stage(reader: fx.Node, value: fx.Node, op_node: fx.Node,
+                              stage: dict[str, int]) -> None:
+    """Raise where ``reader``, which reads ``value`` after the in-place op ``op_node``
+    changed it, is placed in an earlier stage than the op: it would read it unchanged."""
+    if reader.op != "output" and stage[reader.name] < stage[op_node.name]:
+        raise ValueError(
+            f"{reader.name!r} (stage {stage[reader.name]}) reads {value.name!r} after the "
+            f"in-place op {op_node.name!r} (stage {stage[op_node.name]}) changed it; put them in "
+            "the same stage or keep the reader after the op")
+
+
 def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[str],
                            owner: nn.Module) -> list[str]:
     """Rewrite the in-place ops named in ``rewrite`` (the schedule's ``rewritten``,
@@ -147,12 +158,7 @@ def _functionalize_inplace(graph: fx.Graph, stage: dict[str, int], rewrite: set[
         for user in list(operand.users):
             if user is result or user is op_node or user not in position or position[user] <= position[op_node]:
                 continue
-            if user.op != "output" and stage[user.name] < op_stage:
-                raise ValueError(
-                    f"{user.name!r} (stage {stage[user.name]}) reads {operand.name!r} after the "
-                    f"in-place op {op_node.name!r} (stage {op_stage}) changed it; put them in "
-                    "the same stage or keep the reader after the op"
-                )
+            _reads_after_in_its_stage(user, operand, op_node, stage)
             user.replace_input_with(operand, result)
         rewritten.append(op_node.name)
     return rewritten
@@ -208,11 +214,7 @@ def _write_a_copy_through_the_view(graph: fx.Graph, op_node: fx.Node, operand: f
         for user in list(value.users):
             if user is op_node or user in made or user not in position or position[user] <= position[op_node]:
                 continue
-            if user.op != "output" and stage[user.name] < op_stage:
-                raise ValueError(
-                    f"{user.name!r} (stage {stage[user.name]}) reads {value.name!r} after the "
-                    f"in-place op {op_node.name!r} (stage {op_stage}) changed it; put them in "
-                    "the same stage or keep the reader after the op")
+            _reads_after_in_its_stage(user, value, op_node, stage)
             user.replace_input_with(value, remake(value))
             made = set(remade.values())
 
