@@ -29,6 +29,7 @@ This module holds no Lightning code; the strategy passes in its ranks and a call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -59,6 +60,7 @@ from lightning_remat.errors import (
     TraceError,
     warn_caller,
 )
+from lightning_remat.graph.calls import CACHE_OFF_NOTE, cache_configs, caches_off
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.meaning import StateRead, guard_owners, read_state
@@ -268,6 +270,11 @@ class Planned:
             self.module.set_variant_selector(selector)
 
 
+REFUSAL_SLACK = 0.01
+"""What the budget a measured refusal names holds beyond the smallest one that held here:
+the variation of a step's excess over its prediction between plans."""
+
+
 class Planner:
     """Plans ``module`` once per input key and runs every call through the plan for its key.
 
@@ -391,6 +398,11 @@ class Planner:
         self.remat_module = RematModule(module)
         self.remat_module.set_variant_selector(self._select)
         self.remat_module.set_step_check(self._check_step)
+        self._caches = cache_configs(module)
+        """The configs in the module that turn on a cache its calls turn off (``graph.calls``)."""
+        self._cache_warned = False
+        if self._caches:
+            self.remat_module.set_call_context(self._calls)
         try:
             self._signature: inspect.Signature | None = inspect.signature(module.forward)
         except (TypeError, ValueError):
@@ -401,6 +413,19 @@ class Planner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.remat_module(*args, **kwargs)
+
+    def _calls(self) -> contextlib.AbstractContextManager:
+        """The context each call of the module and each planning runs in: its caches off
+        (``graph.calls``), said once."""
+        caches = getattr(self, "_caches", [])
+        if not caches:
+            return contextlib.nullcontext()
+        if not self._cache_warned:
+            self._cache_warned = True
+            names = [name for name, _ in caches]
+            warn_caller("lightning_remat: " + CACHE_OFF_NOTE.format(
+                names=", ".join(names), s="s" if len(names) == 1 else ""))
+        return caches_off(caches)
 
     def key(self, args: tuple, kwargs: dict) -> InputKey:
         """The call's :func:`~lightning_remat.inputs.input_key` and the precision it runs at
@@ -461,6 +486,10 @@ class Planner:
     def planned_for(self, args: tuple, kwargs: dict) -> Planned:
         """The plan for this call's inputs, made now if they are new. Under DDP a
         collective: every rank calls it once per training call."""
+        with self._calls():
+            return self._planned_for(args, kwargs)
+
+    def _planned_for(self, args: tuple, kwargs: dict) -> Planned:
         key = self.key(args, kwargs)
         entry = self.planned.get(key)
         needs_plan = entry is None and repr(key) not in self.agreed
@@ -582,6 +611,10 @@ class Planner:
                 # Nothing is recomputed here and the traced code is shape-generic: an
                 # evaluation batch of another size needs no plan of its own.
                 return self.last.variant
+            if key not in self.planned and not self.remat_module.training and not torch.is_grad_enabled():
+                # An evaluation call with other arguments (a cache asked for) and no
+                # backward to plan: the module's own forward, as plain evaluation runs it.
+                return dataclasses.replace(self.last.variant, stages=None, hooked=None, eager=self.module)
         self.last = self.planned_for(args, kwargs)
         if training and self.last.key in self._excess:
             said = self._over_prediction(self.last, args, kwargs, *self._excess.pop(self.last.key))
@@ -825,7 +858,10 @@ class Planner:
         except RematInfeasibleError:
             least = None
         if least is not None:
-            least = max(int(least), int(peak))
+            # Given that budget, a new planner runs its own first plan, and the margin it
+            # raises is what that plan measured over: a step's excess varies between plans
+            # by bytes to pages, so the budget named holds that variation too.
+            least = int(max(int(least), int(peak)) * (1 + REFUSAL_SLACK)) + 1
         raise RematInfeasibleError(budget, least, measured_peak_bytes=peak)
 
     def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, excess: int) -> Plan | None:
@@ -1060,7 +1096,8 @@ class Planner:
         no budget found)."""
         least = min_budget(graph, self.settings.solver, **options)
         if self.settings.solver == "auto" and graph.meta.plain_peak_bytes:
-            least = min(least, plain_peak_bytes(graph))
+            # The plain plan holds a step's measured excess too (``_plan_locally``).
+            least = min(least, plain_peak_bytes(graph) + int(graph.meta.measured_excess_bytes or 0))
         if not per_submodule or self._accepts(graph, least, options, per_submodule):
             return int(least)
         hi = max(least, every_submodule_recomputed(graph).guaranteed_peak_bytes)

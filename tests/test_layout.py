@@ -19,6 +19,7 @@ FLOW: list[tuple[str, ...]] = [
     ("device", "meter", "streams", "imports"),
     ("graph.ir",),
     ("graph.ops",),
+    ("graph.calls",),
     ("graph.effects",),
     ("graph.meaning",),
     ("graph.export",),

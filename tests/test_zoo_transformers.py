@@ -7,7 +7,9 @@ peak. Dropout probabilities are 0: the step is compared bit for bit with a plain
 zero probability keeps that comparison about recomputation. Qwen2 and T5 use the "eager"
 attention: under ``torch.export`` transformers' "sdpa" attention passes the causal mask it
 skips when not exporting, a difference in the last bits of the plain model's own output
-that would hide what these tests check.
+that would hide what these tests check. The cache is left as each config has it
+(``use_cache=True``): the planned module's calls turn it off, as Hugging Face's own
+gradient checkpointing does in training.
 
 CPU reductions run on one thread here: a multi-threaded reduction splits its work by the
 threads the OS gives it, which on a loaded machine changes from call to call, so an op run
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +43,7 @@ VOCAB = 128
 
 def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, use_cache=False,
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
 
@@ -48,7 +51,7 @@ def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 def qwen2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, use_cache=False,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
         attention_dropout=0.0, attn_implementation="eager")
     return transformers.Qwen2ForCausalLM(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
 
@@ -56,7 +59,7 @@ def qwen2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 def t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=3, num_decoder_layers=3,
-        num_heads=2, dropout_rate=0.0, use_cache=False, attn_implementation="eager")
+        num_heads=2, dropout_rate=0.0, attn_implementation="eager")
     return transformers.T5ForConditionalGeneration(config), {
         "input_ids": torch.randint(0, VOCAB, (16, 32)),
         "decoder_input_ids": torch.randint(0, VOCAB, (16, 32)),
@@ -94,7 +97,10 @@ def _planned(cache: dict[str, Any], name: str) -> tuple[nn.Module, nn.Module, di
             model, call = MODELS[name]()
             model.train()
             plain = copy.deepcopy(model)
-            cache[name] = (model, plain, call, remat(model, call, "50%"))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cache[name] = (model, plain, call, remat(model, call, "50%"))
+            cache[name, "warnings"] = [str(w.message) for w in caught]
         finally:
             torch.set_num_threads(threads)
     return cache[name]
@@ -160,3 +166,68 @@ def test_no_solver_crashes_on_a_captured_transformers_graph(name: str, planned: 
             except RematInfeasibleError:
                 continue
             assert plan.stages, solver
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_a_decoders_default_cache_is_turned_off_for_its_calls_with_one_warning(
+        name: str, planned: dict[str, Any]) -> None:
+    """``use_cache=True`` as the config ships it: the planned module's calls run without
+    the cache (captured op by op above), one warning says so and how to choose, and the
+    user's config is left as it was; a call that asks for the cache gets it."""
+    model, _, call, remat_model = _planned(planned, name)
+    assert model.config.use_cache
+    said = [w for w in planned[name, "warnings"] if "cache of past keys and values" in w]
+    assert len(said) == 1 and "use_cache=False" in said[0], planned[name, "warnings"]
+    assert remat_model(**call).past_key_values is None
+    remat_model.eval()
+    try:
+        with torch.no_grad():  # evaluation: its own forward, nothing to plan
+            assert remat_model(**call, use_cache=True).past_key_values is not None
+    finally:
+        remat_model.train()
+
+
+def test_a_lightning_module_holding_a_decoder_with_its_default_config_is_planned_op_by_op(tmp_path) -> None:
+    """The job most users have: a LightningModule holding a decoder whose config keeps its
+    cache on, under ``Trainer(strategy=RematStrategy("50%"))``. Its forward returns the
+    decoder's output; with the decoder's cache off in the planned calls it is captured op by
+    op (not the fallback's few submodules), and three steps train as plain Lightning does."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_remat.lightning.strategy import RematStrategy
+
+    class Decoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = gpt2()[0]
+
+        def forward(self, ids: torch.Tensor) -> Any:
+            return self.model(input_ids=ids, labels=ids)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(batch[0]).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ids = torch.randint(0, VOCAB, (24, 64), generator=torch.Generator().manual_seed(1))
+    trained = {}
+    for name, strategy in (("plain", "auto"), ("remat", RematStrategy(memory_budget="50%"))):
+        pl.seed_everything(0)
+        module = Decoder()
+        assert module.model.config.use_cache
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=str(tmp_path / name))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, DataLoader(TensorDataset(ids), batch_size=8))
+        trained[name] = module
+        if name == "remat":
+            (entry,) = strategy.planner.planned.values()
+            assert len(entry.graph) > 100 and entry.plan.count("recompute") > 0, entry.plan.notes
+            assert any("cache of past keys and values" in str(w.message) for w in caught)
+            assert module.model.config.use_cache  # the user's config as it was
+    for (key, p), (_, q) in zip(trained["remat"].named_parameters(), trained["plain"].named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda text, key=key: f"{key}: {text}")

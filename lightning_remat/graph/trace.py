@@ -945,6 +945,10 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     note = (f"; {', '.join(traced.repeated)} run as they are (called more than once)"
             if traced.repeated else "")
     exported = f"; torch.export could not capture it either ({export_reason})" if export_reason else ""
+    if export_reason and "Cache" in export_reason:
+        # A Hugging Face cache of past keys and values in the output: the fix is the call's.
+        exported += ("; the output holds a cache of past keys and values: call it with "
+                     "use_cache=False (the default under a plan where the call does not say)")
     warn_caller(
         f"torch.fx could not trace {type(module).__name__} ({fx_reason}){exported}; its own forward "
         f"runs, with the {len(traced.children)} submodules it calls checkpointed where it "

@@ -157,6 +157,7 @@ class RematModule(nn.Module):
         self.variants: dict[Hashable, Variant] = {}
         self._remat_current: Variant | None = None
         self._remat_select: VariantSelector | None = None
+        self._remat_call_context: Callable[[], contextlib.AbstractContextManager] | None = None
         self._remat_offload_factory: OffloadHooksFactory = _SharedOffloadHooks()
         self._remat_step_check: StepCheck | None = None
 
@@ -193,6 +194,11 @@ class RematModule(nn.Module):
         """Install ``selector`` to pick the variant for each call (None: always run the
         current one)."""
         self._remat_select = selector
+
+    def set_call_context(self, context: Callable[[], contextlib.AbstractContextManager] | None) -> None:
+        """Install ``context`` (a factory) for each call to run in (the planner's: the
+        module's caches off, ``graph.calls``; None: none)."""
+        self._remat_call_context = context
 
     def set_step_check(self, check: StepCheck | None) -> None:
         """Install ``check`` around each training call (the planner measures a plan's first
@@ -287,6 +293,13 @@ class RematModule(nn.Module):
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        context = getattr(self, "_remat_call_context", None)
+        if context is not None:
+            with context():
+                return self._forward_in_context(*args, **kwargs)
+        return self._forward_in_context(*args, **kwargs)
+
+    def _forward_in_context(self, *args: Any, **kwargs: Any) -> Any:
         root = self._remat_hooks_root
         if root is not None and has_forward_hooks(root):
             return call_with_hooks(root, self._planned_forward, args, kwargs)
