@@ -3,13 +3,11 @@ torch.fx cannot trace their forwards (``*args``/``**kwargs``, branches on argume
 ``remat`` captures them with non-strict ``torch.export`` and plans over their ATen ops.
 
 Each model is planned once (a module-scoped cache; planning profiles it) at 50% of its plain
-peak. Dropout probabilities are 0: the step is compared bit for bit with a plain copy, and a
-zero probability keeps that comparison about recomputation. Qwen2 and T5 use the "eager"
-attention: under ``torch.export`` transformers' "sdpa" attention passes the causal mask it
-skips when not exporting, a difference in the last bits of the plain model's own output
-that would hide what these tests check. The cache is left as each config has it
-(``use_cache=True``): the planned module's calls turn it off, as Hugging Face's own
-gradient checkpointing does in training.
+peak, its config's defaults kept: the cache on (the planned module's calls turn it off, as
+Hugging Face's own gradient checkpointing does in training), dropout as shipped (the
+planned and the plain step draw from one generator state), sdpa attention, but for Qwen2:
+with sdpa its smallest budget is 52% of its plain peak (2026-12-06, this CPU), so it runs
+with the "eager" attention until the capture of sdpa's mask reaches 50%.
 
 CPU reductions run on one thread here: a multi-threaded reduction splits its work by the
 threads the OS gives it, which on a loaded machine changes from call to call, so an op run
@@ -43,8 +41,7 @@ VOCAB = 128
 
 def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64)
     return transformers.GPT2LMHeadModel(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
 
 
@@ -52,14 +49,14 @@ def qwen2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        attention_dropout=0.0, attn_implementation="eager")
+        attn_implementation="eager")  # sdpa: the smallest budget is 52% (module docstring)
     return transformers.Qwen2ForCausalLM(config), {"input_ids": torch.randint(0, VOCAB, (8, 64))}
 
 
 def t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=3, num_decoder_layers=3,
-        num_heads=2, dropout_rate=0.0, attn_implementation="eager")
+        num_heads=2)
     return transformers.T5ForConditionalGeneration(config), {
         "input_ids": torch.randint(0, VOCAB, (16, 32)),
         "decoder_input_ids": torch.randint(0, VOCAB, (16, 32)),
@@ -125,9 +122,11 @@ def test_a_transformers_model_is_captured_by_export_and_planned_at_half_its_plai
 
     for _ in range(2):  # warm-up
         _step(remat_model, model, call)
+    torch.manual_seed(7)  # dropout as the configs ship it: both steps draw from one state
     measured = peak_bytes(lambda: _step(remat_model, model, call))
     assert measured <= remat_model.budget_bytes
 
+    torch.manual_seed(7)
     _step(plain, plain, call)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     # A value read by several ops (a tied embedding, T5's encoder output read by every
