@@ -602,3 +602,32 @@ def test_a_trial_plans_the_module_training_step_runs(tmp_path):
     small_trainer(tmp_path, max_steps=1, callbacks=[Probe()], strategy=strategy).fit(model)
     assert captured["target"] is model.net
     assert captured["result"].feasible and captured["result"].solver.startswith("auto")
+
+
+class ExportedConvNet(SizedConvNet):
+    """A forward fx cannot trace (``**kwargs``), so ``torch.export`` captures it, with a
+    reshape whose sizes the capture bakes in (its batch among them)."""
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        h = self.stem(x)
+        h = self.act(h + self.block(h))
+        h = self.tail(h)
+        return self.head(h.reshape(h.shape[0], h.shape[1], -1).mean(2))
+
+
+def test_an_exported_capture_is_made_again_at_each_trials_batch_size(tmp_path):
+    """A trial at another batch size than the family's runs a capture made at its own size:
+    an exported graph replayed at another batch multiplied mismatched shapes and ended the
+    search. The search completes, and remat's answer is at least plain's."""
+    from lightning_remat import RematStrategy
+
+    budget = 16 * 2**20
+    model = ExportedConvNet(batch_size=2, channels=16, image=32, samples=256)
+    trainer = small_trainer(tmp_path, max_epochs=1,
+                            strategy=RematStrategy(memory_budget=budget, solver="auto", profile_steps=1,
+                                                   offload=False))
+    report = find_max_batch_size(trainer, model, init_val=2, max_val=256, steps_per_trial=1, progress_bar=False)
+    plain, remat = report.plain, report.remat
+    assert plain is not None and plain.largest_feasible and remat.largest_feasible
+    assert remat.largest_feasible >= plain.largest_feasible
+    assert len({r.batch_size for r in remat.trials}) >= 2

@@ -56,7 +56,7 @@ from lightning_remat.graph.effects import preserved_state, preserved_training_st
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
-from lightning_remat.graph.trace import Traced, default_loss, local_bytes, trace_module
+from lightning_remat.graph.trace import EXPORT, Traced, default_loss, local_bytes, trace_module
 from lightning_remat.lightning.strategy import RematHooks, forward_routed
 from lightning_remat.messages import DistributedRanks, world_size
 from lightning_remat.meter import peak_bytes
@@ -355,10 +355,13 @@ class LightningTrial:
 
     def _trace_for_trial(self, module: nn.Module, args: tuple, kwargs: dict) -> Traced:
         """The planner's tracer in a trial: the family's trace when the call's inputs are the
-        family's but for the batch. Its output was checked against the module's at two
-        sizes with the same graph, and fx code is shape-generic, so checking it again at
-        each trial's size (two forwards at that size) would only cost time."""
-        if self.family_traced is not None and _batchless(args, kwargs) == self._family_inputs:
+        family's but for the batch and fx traced it. Its output was checked against the
+        module's at two sizes with the same graph, and fx code is shape-generic, so checking
+        it again at each trial's size (two forwards at that size) would only cost time. A
+        ``torch.export`` capture is not: it bakes the sizes it saw into its views, so each
+        trial's size is captured on its own (its costs still come from the family)."""
+        if (self.family_traced is not None and self.family_traced.kind != EXPORT
+                and _batchless(args, kwargs) == self._family_inputs):
             return self.family_traced
         return trace_module(module, args, kwargs)
 
