@@ -29,6 +29,7 @@ the study's layout and the trial records, so they stay in one module.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 import warnings
@@ -832,10 +833,42 @@ def default_storage(root_dir: str | Path) -> str:
 
 
 def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | None, solver: str,
-                   sample_shape: str = "") -> str:
-    """``<ModelClass>|<device>|<budget bytes>|<solver>[|<per-sample input shapes>]``: one
-    study per setting, so a resumed search only reuses trials that measured the same thing."""
-    parts = [type(model).__name__, device_name(torch.device(device)), f"{budget_bytes}B", solver]
+                   sample_shape: str = "", precision: str = "", ranks: int = 1) -> str:
+    """``<ModelClass>#<fingerprint>|<device>|<budget bytes>|<solver>[|<precision>][|<ranks>
+    ranks][|<per-sample input shapes>]``: one study per setting, so a resumed search only
+    reuses trials that measured the same thing (a changed model, its attention
+    implementation say, starts a study of its own; :func:`module_fingerprint`)."""
+    parts = [f"{type(model).__name__}#{module_fingerprint(model)}", device_name(torch.device(device)),
+             f"{budget_bytes}B", solver]
+    if precision:
+        parts.append(str(precision))
+    if ranks > 1:
+        parts.append(f"{ranks} ranks")
     if sample_shape:
         parts.append(sample_shape)
     return "|".join(parts)
+
+
+def module_fingerprint(model: nn.Module) -> str:
+    """A short hash of what a batch-size search's answer depends on in ``model``: its
+    modules' classes, its parameters' and buffers' names, shapes, dtypes and whether they
+    train, and the settings of each ``config`` it holds (a Hugging Face config's JSON and
+    attention implementation)."""
+    digest = hashlib.sha1()
+    configs: set[int] = set()
+    for name, sub in model.named_modules():
+        digest.update(f"{name}:{type(sub).__module__}.{type(sub).__qualname__};".encode())
+        config = getattr(sub, "config", None)
+        if config is not None and id(config) not in configs:
+            configs.add(id(config))
+            to_json = getattr(config, "to_json_string", None)
+            try:
+                text = to_json(use_diff=False) if callable(to_json) else repr(vars(config))
+            except Exception:  # a config we cannot read: its type alone
+                text = type(config).__qualname__
+            digest.update(f"{text};{getattr(config, '_attn_implementation', None)};".encode())
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad};".encode())
+    for name, b in model.named_buffers():
+        digest.update(f"{name}:{tuple(b.shape)}:{b.dtype};".encode())
+    return digest.hexdigest()[:12]

@@ -631,3 +631,28 @@ def test_an_exported_capture_is_made_again_at_each_trials_batch_size(tmp_path):
     assert plain is not None and plain.largest_feasible and remat.largest_feasible
     assert remat.largest_feasible >= plain.largest_feasible
     assert len({r.batch_size for r in remat.trials}) >= 2
+
+
+def test_the_study_is_named_after_what_the_answer_depends_on():
+    """A resumed search finds its study when the model is the same (a new instance with the
+    same layers), and not when the model changed: a layer's width, its dtype, a Hugging
+    Face config's attention implementation, the precision or the ranks."""
+    from lightning_remat.tuning import study_name_for
+
+    def name(model, **kwargs):
+        return study_name_for(model, torch.device("cpu"), 2**30, "auto", "3x32x32", **kwargs)
+
+    base = name(SizedConvNet(channels=8))
+    assert name(SizedConvNet(channels=8)) == base
+    assert name(SizedConvNet(channels=16)) != base
+    assert name(SizedConvNet(channels=8).double()) != base
+    assert name(SizedConvNet(channels=8), precision="bf16-mixed") != base
+    assert name(SizedConvNet(channels=8), ranks=2) != base
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(attention):
+        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
+                                         attn_implementation=attention)
+        return transformers.GPT2LMHeadModel(config)
+
+    assert name(gpt2("eager")) == name(gpt2("eager")) != name(gpt2("sdpa"))
