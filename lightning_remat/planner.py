@@ -864,6 +864,16 @@ class Planner:
             least = int(max(int(least), int(peak)) * (1 + REFUSAL_SLACK)) + 1
         raise RematInfeasibleError(budget, least, measured_peak_bytes=peak)
 
+    def plan_again(self, planned: Planned, args: tuple, kwargs: dict, measured_peak: int) -> bool:
+        """Plan ``planned``'s input again after a step of it measured ``measured_peak``, over
+        its prediction: the model's margin raised by the excess, solved for the same budget
+        and run from the next call on (the batch-size search's trials, which measure their
+        steps themselves). False where no plan fits with that margin."""
+        excess = int(measured_peak) - int(planned.plan.predicted_peak_bytes)
+        if excess <= 0 or planned.budget_bytes is None:
+            return False
+        return self._plan_again(planned, args, kwargs, excess) is not None
+
     def _plan_again(self, planned: Planned, args: tuple, kwargs: dict, excess: int) -> Plan | None:
         """Solve ``planned``'s graph again with the model's margin raised by what its first
         step measured above the prediction (``meta.measured_excess_bytes``), and run the new

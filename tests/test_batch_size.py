@@ -656,3 +656,44 @@ def test_the_study_is_named_after_what_the_answer_depends_on():
         return transformers.GPT2LMHeadModel(config)
 
     assert name(gpt2("eager")) == name(gpt2("eager")) != name(gpt2("sdpa"))
+
+
+def test_a_trial_measured_over_its_budget_is_planned_again_and_measured_again(tmp_path, monkeypatch):
+    """A remat trial whose step measures over the budget is not taken as infeasible at once:
+    its input is planned again with the margin raised by what it measured over, and the
+    new plan's steps are measured; here the meter reads the first step 4 KiB over."""
+    import lightning_remat.lightning.trial as trial_module
+    from lightning_remat.lightning.trial import PLAIN
+
+    model = SubmoduleStepNet(batch_size=16, channels=16, image=32)
+    captured = {}
+    real = trial_module.peak_bytes
+    readings = []
+
+    def first_over(step, device):
+        value = real(step, device)
+        readings.append(value)
+        if len(readings) == 1 and captured.get("budget"):
+            return max(value, captured["budget"] + 4096)
+        return value
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            def trial(solver, budget):
+                return LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                      solver=solver, settings=_search_settings(trainer, budget))(16)
+
+            plain = trial(PLAIN, 2**30)
+            captured["budget"] = budget = int(0.6 * plain.peak_bytes)
+            readings.clear()
+            monkeypatch.setattr(trial_module, "peak_bytes", first_over)
+            captured["result"] = trial("auto", budget)
+            raise pl.utilities.exceptions._TunerExitException()
+
+    from lightning_remat import RematStrategy
+
+    strategy = RematStrategy(memory_budget="60%", solver="auto", offload=False, cache_dir=tmp_path / "c")
+    small_trainer(tmp_path, max_steps=1, callbacks=[Probe()], strategy=strategy).fit(model)
+    result = captured["result"]
+    assert len(readings) == 2  # the first plan's step, then the new plan's
+    assert result.feasible and result.peak_bytes == readings[-1] <= captured["budget"]

@@ -221,6 +221,11 @@ def resize_batch(batch: Any, batch_size: int) -> Any:
     return batch
 
 
+TRIAL_REPLANS = 1
+"""How often a remat trial measured over its budget is planned again (its margin raised by
+what it measured over) and measured again before the size is taken as infeasible."""
+
+
 class LightningTrial:
     """One trial of the search on a fitting Trainer: ``trial(batch_size) -> TrialResult``.
 
@@ -487,12 +492,22 @@ class LightningTrial:
                     self._run_step(batch)
                 # Once the optimizer state exists, what is left is what a step may use.
                 budget_bytes = default_budget(self.device) if self.settings.budget_from_device else self.budget_bytes
-                for _ in range(self.steps_per_trial):
-                    self._run_step(batch, measured)
-                    if self.device.type == "cuda":  # CUDA only: the step's time; reserved beside allocated
-                        torch.cuda.synchronize(self.device)
-                        reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
-                    seconds.append(time.perf_counter() - measured[-1][2])
+                for attempt in range(1 + TRIAL_REPLANS):
+                    measured.clear()
+                    reserved[1:], seconds[:] = [], []
+                    for _ in range(self.steps_per_trial):
+                        self._run_step(batch, measured)
+                        if self.device.type == "cuda":  # CUDA only: the step's time; reserved beside allocated
+                            torch.cuda.synchronize(self.device)
+                            reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
+                        seconds.append(time.perf_counter() - measured[-1][2])
+                    peak = max(m[0] for m in measured)
+                    if (planned is None or budget_bytes is None or peak <= budget_bytes
+                            or attempt == TRIAL_REPLANS
+                            or not planner.plan_again(planned, args, kwargs, peak)):
+                        break
+                    # Planned again below the budget by what the step measured over its
+                    # prediction (the model's margin raised), and measured again.
             del batch
             self._loss = None  # it holds the batch
         peak = max(m[0] for m in measured)
