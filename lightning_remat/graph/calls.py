@@ -46,7 +46,7 @@ def cache_configs(module: nn.Module) -> list[tuple[str, Any]]:
             takes = False
         if takes:
             seen.add(id(config))
-            found.append((name or type(sub).__name__, config))
+            found.append((f"{name} ({type(sub).__name__})" if name else type(sub).__name__, config))
     return found
 
 
