@@ -14,7 +14,8 @@ from lightning_remat.solvers.schedule import Schedule, make_schedule
 from lightning_remat.solvers.simulate import simulate
 
 __all__ = [
-    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "HEAP_BYTES_PER_VERTEX", "SMALL_TENSOR_BYTES", "executor_seconds",
+    "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "HEAP_BYTES_PER_MAPPED_BUFFER", "HEAP_BYTES_PER_VERTEX",
+    "SMALL_TENSOR_BYTES", "executor_seconds",
     "expandable_segments", "make_plan", "model_margin",
     "plain_plan", "recomputed_seconds", "solve_plain", "stage_overhead_seconds",
 ]
@@ -72,9 +73,16 @@ tests' models the simulator is within a few hundred bytes of it."""
 HEAP_BYTES_PER_VERTEX = 512
 """Per vertex, on the CPU: what the C library's heap holds for each op's objects beside
 its storages (the tensor and storage structs, autograd's node and its saved variables),
-which the resident memory the kernel counts includes and no storage meter sees. A generated
-convolution model of 63 vertices measured 154.7 KB over its prediction at the allocator's
-edge where its pages accounted for 147.5 KB (docs/design.md section 4.7)."""
+which the resident memory the kernel counts includes and no storage meter sees
+(docs/design.md section 4.7)."""
+
+HEAP_BYTES_PER_MAPPED_BUFFER = 1024
+"""Per buffer the C library may map on its own pages (see ``model_margin``), on the CPU:
+the heap's records of a large live tensor beyond ``HEAP_BYTES_PER_VERTEX`` (its saved
+variables in autograd's nodes, the Python objects that hold it). A generated convolution
+model of 63 vertices and 36 such buffers measured 154.7 and 187.5 KB over its prediction at
+the allocator's edge in two CI runs, where its pages accounted for 147.5 KB and its
+vertices' allowance 36.3 KB."""
 
 CUDA_BLOCK_BYTES = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
@@ -103,7 +111,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     are expandable (``expandable``; None: read from the environment), up to
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` and
-    ``HEAP_BYTES_PER_VERTEX`` per vertex and a page for each buffer the C library may map on its own that can be live
+    ``HEAP_BYTES_PER_VERTEX`` per vertex and a page and ``HEAP_BYTES_PER_MAPPED_BUFFER`` for each buffer the C library may map on its own that can be live
     at once (``meter.mapped_buffer_bytes``). A graph no profile measured (no
     ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
@@ -118,7 +126,8 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
         if not (expandable_segments() if expandable is None else expandable):
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
         return margin + measured_excess
-    return (SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n + mmap.PAGESIZE * _mapped_buffers(graph) + measured_excess
+    return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n
+            + (mmap.PAGESIZE + HEAP_BYTES_PER_MAPPED_BUFFER) * _mapped_buffers(graph) + measured_excess)
 
 
 def _mapped_buffers(graph: Graph) -> int:
