@@ -77,8 +77,8 @@ which the resident memory the kernel counts includes and no storage meter sees
 (docs/design.md section 4.7)."""
 
 HEAP_BYTES_PER_MAPPED_BUFFER = 1024
-"""Per buffer the C library may map on its own pages (see ``model_margin``), on the CPU:
-the heap's records of a large live tensor beyond ``HEAP_BYTES_PER_VERTEX`` (its saved
+"""Per buffer the C library maps on its own pages that the simulated plain step holds at
+once (``Timeline.mapped_buffers``), on the CPU: the heap's records of a large live tensor beyond ``HEAP_BYTES_PER_VERTEX`` (its saved
 variables in autograd's nodes, the Python objects that hold it). A generated convolution
 model of 63 vertices and 36 such buffers measured 154.7 and 187.5 KB over its prediction at
 the allocator's edge in two CI runs, where its pages accounted for 147.5 KB and its
@@ -111,7 +111,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     are expandable (``expandable``; None: read from the environment), up to
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` and
-    ``HEAP_BYTES_PER_VERTEX`` per vertex and a page and ``HEAP_BYTES_PER_MAPPED_BUFFER`` for each buffer the C library may map on its own that can be live
+    ``HEAP_BYTES_PER_VERTEX`` per vertex, ``HEAP_BYTES_PER_MAPPED_BUFFER`` for each buffer the C library maps on its own that the plain step holds, and a page for each buffer it may map on its own that can be live
     at once (``meter.mapped_buffer_bytes``). A graph no profile measured (no
     ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
@@ -126,18 +126,19 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
         if not (expandable_segments() if expandable is None else expandable):
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
         return margin + measured_excess
-    return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n
-            + (mmap.PAGESIZE + HEAP_BYTES_PER_MAPPED_BUFFER) * _mapped_buffers(graph) + measured_excess)
+    held = simulate(graph).mapped_buffers
+    return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n + mmap.PAGESIZE * _mapped_buffers(graph, held)
+            + HEAP_BYTES_PER_MAPPED_BUFFER * held + measured_excess)
 
 
-def _mapped_buffers(graph: Graph) -> int:
+def _mapped_buffers(graph: Graph, held: int) -> int:
     """How many buffers the C library may map on its own pages a CPU step holds at once:
     the most storages of at least ``meter.mapped_buffer_bytes()`` live at once in the
     plain step (a plan holds no more of them: it frees what it recomputes), and those one
     op allocates and holds at once, as the profile counted them (``meta.scratch_buffers``;
     absent: one for its forward's scratch and one for its backward's)."""
     scratch = graph.meta.scratch_buffers
-    return simulate(graph).mapped_buffers + (2 if scratch is None else max(int(scratch), 2))
+    return held + (2 if scratch is None else max(int(scratch), 2))
 
 
 def recomputed_seconds(graph: Graph, schedule: Schedule) -> float:
