@@ -29,6 +29,38 @@ def _assert_same_grads(model: nn.Module, plain: nn.Module) -> None:
 
 
 # ---- in-place writes to one tensor, in the forward's order -----------------------------------
+def test_an_element_of_an_ops_own_outputs_is_no_view_and_a_split_is():
+    """A mixture-of-experts router's ``topk`` values normalised in place (Mixtral's
+    ``routing_weights /= routing_weights.sum(...)``): the ``getitem`` picking them from
+    topk's outputs is a new tensor, so a rewrite of that division writes a copy of the
+    values, not of the op's tuple of outputs (which raised ``'tuple' object has no attribute
+    'clone'`` in the first step); ``split``'s pieces stay views of what it split."""
+    from lightning_remat.graph.export import export_graph_module
+    from lightning_remat.graph.ops import viewed_operand
+
+    class Router(nn.Module):
+        def forward(self, x):
+            values, _ = x.topk(2, dim=-1)
+            values /= values.sum(-1, keepdim=True)
+            first, second = x.split(4, dim=-1)
+            return values, first, second
+
+    x = torch.randn(3, 8)
+    gm = export_graph_module(Router(), (x,), {}).gm
+    pieces = {n.args[0].target.__name__: viewed_operand(n, gm)
+              for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "getitem"}
+    assert pieces["topk.default"] is None
+    assert pieces["split.Tensor"] is not None and pieces["split.Tensor"].target.__name__ == "split.Tensor"
+
+    from lightning_remat.runtime.stages import _functionalize_inplace
+    stage = {n.name: 0 for n in gm.graph.nodes}
+    assert _functionalize_inplace(gm.graph, stage, {"div_"}, gm) == ["div_"]
+    gm.recompile()
+    expected = Router()(x.clone())
+    for got, want in zip(gm(x), expected):
+        torch.testing.assert_close(got, want)
+
+
 class ShiftRight(nn.Module):
     """The decoder-input shift of Hugging Face's encoder-decoders (``shift_tokens_right``):
     one tensor written with ``copy_`` and ``fill_`` through two views, then ``masked_fill_``

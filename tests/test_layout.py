@@ -22,6 +22,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.calls",),
     ("graph.effects",),
     ("graph.meaning",),
+    ("graph.functions",),
     ("graph.export",),
     ("graph.trace",),
     ("graph.instruments",),

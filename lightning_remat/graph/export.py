@@ -36,6 +36,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_remat.graph.functions import opaque_functions, replay_call
+
 __all__ = ["ExportedGraph", "StructuredOutput", "export_graph_module"]
 
 
@@ -111,7 +113,8 @@ def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
     objects, effect tokens, outputs that mutate inputs)."""
     from torch.export.graph_signature import InputKind, OutputKind
 
-    program = torch.export.export(module, inputs, kwargs, strict=False)
+    with opaque_functions() as functions:
+        program = torch.export.export(module, inputs, kwargs, strict=False)
     signature = program.graph_signature
     call_signature = program.module_call_graph[0].signature
     assert call_signature is not None
@@ -158,7 +161,11 @@ def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
         if node.op == "output":
             graph.output(tuple(fx.node.map_arg(node.args[0], env.__getitem__)))
             break
-        copied = graph.node_copy(node, env.__getitem__)
+        call = replay_call(node, functions)
+        if call is not None:  # a custom autograd function: its own apply, forward and backward
+            copied = graph.call_function(call, (fx.node.map_arg(node.args[1], env.__getitem__),))
+        else:
+            copied = graph.node_copy(node, env.__getitem__)
         copied.meta = _plain_meta(node)
         env[node] = copied
     graph.set_codegen(StructuredOutput(out_spec))

@@ -173,11 +173,26 @@ def viewed_operand(node: fx.Node, owner: nn.Module) -> fx.Node | None:
             name = type(owner.get_submodule(str(node.target))).__name__
         except AttributeError:
             return None
+    elif node.target is operator.getitem and _fresh_outputs(node.args[0]):
+        return None  # an element of an op's own new outputs (topk's values), not a view
     elif node.op in ("call_function", "call_method"):
         name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
     else:
         return None
     return node.args[0] if name in VIEW_OPS else None
+
+
+def _fresh_outputs(node: fx.Node) -> bool:
+    """Whether ``node`` is an ATen op returning several tensors (``topk``, ``max.dim``,
+    ``native_layer_norm``) that alias none of its arguments: a ``getitem`` on it picks a new
+    tensor. ``split`` and ``unbind`` alias their input, so their elements stay views."""
+    if getattr(node.target, "fresh_outputs", False):  # graph.functions.FunctionCall
+        return True
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    several = len(returns) > 1 or (len(returns) == 1 and isinstance(returns[0].type, torch.ListType))
+    return several and all(r.alias_info is None for r in returns)
 
 
 def written_attributes(node: fx.Node) -> list[fx.Node]:

@@ -80,6 +80,7 @@ from lightning_remat.graph.effects import (
     trace_keeping_state,
 )
 from lightning_remat.graph.export import export_graph_module
+from lightning_remat.graph.functions import FunctionCall
 from lightning_remat.graph.ir import Graph, GraphMeta, Node
 from lightning_remat.graph.meaning import MeaningLostError, StateRead, lost_meaning
 from lightning_remat.graph.ops import draws_random, mutated_operand, viewed_operand
@@ -402,6 +403,8 @@ def _op_name(gm: fx.GraphModule, n: fx.Node) -> str:
         return str(n.target)
     if isinstance(n.target, torch._ops.OpOverload):  # an exported graph's ATen op: "view", not "view.default"
         return n.target.overloadpacket.__name__
+    if is_getitem(n) and isinstance(n.args[0], fx.Node) and isinstance(n.args[0].target, FunctionCall):
+        return n.args[0].target.__name__  # a custom function's output: the vertex is the call
     return getattr(n.target, "__name__", str(n.target))
 
 
@@ -899,9 +902,9 @@ def _trace_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     except SideEffectError as exc:  # the model's own forward keeps what fx cannot
         fx_reason = str(exc)
         effects = True
-    except MeaningLostError as exc:  # export keeps neither grad modes nor custom functions
+    except MeaningLostError as exc:  # export keeps custom functions (graph.functions); the probe checks it
         fx_reason = lost = str(exc)
-        effects = True
+        effects = bool(own_forward_because)
     except TraceError:
         raise
     except Exception as exc:  # fx raises many kinds: TraceError, TypeError, NotImplementedError
