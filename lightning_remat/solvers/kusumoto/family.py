@@ -78,6 +78,11 @@ class LowerSetFamily:
     _cached_entries: int = field(init=False, default=0)
     _finish_need: np.ndarray | None = field(init=False, default=None)
     _shared: SharedSteps | None = field(init=False, default=None)
+    stage_memory: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """The simulated stage memory per target set (``_simulated_costs``), shared by the
+    families of graphs that differ only in their times (``kusumoto._family``): the
+    simulator's memory reads no time, and auto solves a graph with its measured times and
+    again with unit times."""
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -173,6 +178,9 @@ class LowerSetFamily:
         """The simulator's own stage costs (``stage_costs.stage_costs``) for each source L and
         target L': the plan [L recomputed, L' less L, the rest kept] is simulated and the
         middle stage's cost read off; it does not depend on how L itself is staged."""
+        known = self.stage_memory.get(j)
+        if known is not None:
+            return known
         graph, ids = self.bits.graph, self.bits.ids
         last = j == self.size - 1
         after = [ids[i] for i in np.flatnonzero(~self.member[j])]
@@ -190,6 +198,7 @@ class LowerSetFamily:
             cost = stage_cost(graph, Plan(stages, [], 0, 0.0, "", True), 1 if before else 0, self._shared)
             stage_mem[position] = cost.peak_above_cache
             cache_add[position] = cost.cache_bytes
+        self.stage_memory[j] = stage_mem, cache_add
         return stage_mem, cache_add
 
     # ---- DP ---------------------------------------------------------------------------------
