@@ -465,8 +465,10 @@ def boundary_policy(region: KeptRegion, ctx: Any, op: Any, *args: Any, **kwargs:
     (``functools.partial``; torch's ``create_selective_checkpoint_contexts``): the aten ops
     of its kept nodes are saved where :func:`~lightning_remat.graph.ops.keepable`, every
     other op runs again in the backward. Torch calls it for each op of the forward and
-    replays its choices in the recomputation by the op's position."""
-    if region.inside and keepable(op):
+    replays its choices in the recomputation by the op's position. The ops inside a custom
+    autograd function's forward (grad is off there) run again with it: saving them would hold
+    the function's intermediates, which its own backward does not read and no model counts."""
+    if region.inside and keepable(op) and torch.is_grad_enabled():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
