@@ -5,8 +5,10 @@ config ships them. Shared by the architecture tests and ``benchmarks/``-style sw
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,3 +75,17 @@ def build(model_type: str, batch: int = 4, length: int = 32) -> tuple[nn.Module,
     mask[0, -length // 4:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """CPU reductions on one thread (a test module imports this fixture): a multi-threaded
+    reduction splits its work by the threads the OS gives it, which on a loaded machine
+    changes from call to call, so an op run again could differ from its forward in the last
+    bit whatever the plan."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

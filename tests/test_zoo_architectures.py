@@ -19,27 +19,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from lightning_remat import RematInfeasibleError, remat
-from tests.hf_architectures import ARCHITECTURES, available, build
+from tests.hf_architectures import ARCHITECTURES, available, build, one_thread  # noqa: F401 - autouse fixture
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # A multi-threaded reduction splits its work by the threads the OS gives it; on a loaded
-    # machine that changes between an op and its recomputation.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +31,7 @@ from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import plain_peak_bytes
 from lightning_remat.solvers import SOLVERS, min_budget, solve
+from tests.hf_architectures import one_thread  # noqa: F401 - autouse fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,16 +67,6 @@ def t5() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
     "gpt2": gpt2, "qwen2": qwen2, "t5": t5,
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
