@@ -92,8 +92,8 @@ def planning_costs(name: str) -> dict[str, Any]:
     from lightning_remat.errors import RematInfeasibleError
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
-    from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import solve
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     batch, size = SIZES["cpu"][name]
     model, x, _ = build(name, "cpu", batch, size)

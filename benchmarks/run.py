@@ -364,8 +364,9 @@ def plan_all(model_name: str, device_name: str, batch: int, size: int,
     import torch
 
     from lightning_remat import RematInfeasibleError
-    from lightning_remat.planner import PlanSettings, check_solver_for_device, solver_options
+    from lightning_remat.planner import PlanSettings
     from lightning_remat.solvers import solve
+    from lightning_remat.solvers.policy import check_solver_for_device, solver_options
 
     device = torch.device(device_name)
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -417,7 +418,7 @@ def plan_all(model_name: str, device_name: str, batch: int, size: int,
 
 
 def _plain_peak(graph) -> int:
-    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     return plain_peak_bytes(graph)
 
@@ -433,9 +434,9 @@ def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
     each budget (a fraction of the plain plan's predicted peak)."""
     from lightning_remat.budget import parse_budget
-    from lightning_remat.planner import plain_peak_bytes, solver_options
     from lightning_remat.runtime.offload import measure_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
+    from lightning_remat.solvers.policy import plain_peak_bytes, solver_options
 
     if graph.meta.bandwidth_bytes_per_s is None:
         graph.meta.bandwidth_bytes_per_s = measure_bandwidth(device)

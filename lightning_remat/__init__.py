@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_remat import registration as _registration
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr__
+    from lightning_remat import remat
     from lightning_remat.budget import format_bytes, parse_budget
     from lightning_remat.errors import (
         RematError,
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time see __getattr_
     from lightning_remat.lightning.fsdp import RematFSDPStrategy
     from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
     from lightning_remat.lightning.strategy import RematDDPStrategy, RematStrategy
-    from lightning_remat.planner import remat
     from lightning_remat.runtime.module import RematModule, apply_plan
     from lightning_remat.solvers import SOLVERS, min_budget, solve
     from lightning_remat.solvers.plan import Plan, Stage
@@ -48,7 +48,7 @@ _EXPORTS = {
     "RematBatchSizeFinder": "lightning.batch_size", "find_max_batch_size": "lightning.batch_size",
     "MemoryTimelineLogger": "lightning.memory_timeline", "RematFSDPStrategy": "lightning.fsdp",
     "RematDDPStrategy": "lightning.strategy", "RematStrategy": "lightning.strategy",
-    "remat": "planner",
+    "remat": "planner.api",
     "RematModule": "runtime.module", "apply_plan": "runtime.module",
     "SOLVERS": "solvers", "min_budget": "solvers", "solve": "solvers",
     "Plan": "solvers.plan", "Stage": "solvers.plan",

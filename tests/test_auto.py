@@ -118,7 +118,7 @@ def test_auto_spends_the_budget_the_time_centric_dp_leaves():
     of it unspent. auto's plan fits the budget with less extra time than the DP's own."""
     from pathlib import Path
 
-    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = Graph.load(Path(__file__).parents[1] / "benchmarks/results/cuda/plans/resnet50.graph.json")
     for fraction in (0.5, 0.75):

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from lightning_remat import remat
 from lightning_remat.lightning.batch_size import find_max_batch_size
 from lightning_remat.lightning.strategy import RematStrategy
-from lightning_remat.planner import remat
 
 DOCUMENTED = {"remat": remat, "RematStrategy": RematStrategy, "find_max_batch_size": find_max_batch_size}
 

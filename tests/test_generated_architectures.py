@@ -40,6 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
+# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
+pytestmark = pytest.mark.xdist_group("test_generated_architectures")
+
 ROOT = Path(__file__).resolve().parent.parent
 CHANNELS, SIDE, BATCH = 32, 32, 32
 KINDS = ("conv", "grouped", "depthwise", "down_up", "bn_relu_", "concat", "skip", "attention",
@@ -148,8 +152,8 @@ def check_model(seed: int) -> list[dict]:
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
     from lightning_remat.meter import peak_bytes
-    from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import min_budget, solve
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     torch.manual_seed(seed)
     model = GeneratedImageModel(seed)

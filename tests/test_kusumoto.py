@@ -324,7 +324,7 @@ def test_time_centric_accepts_every_budget_above_its_smallest_on_a_profiled_gpt(
     strategy within it."""
     from pathlib import Path
 
-    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
     least = min_budget(graph, "kusumoto-tc")
@@ -367,7 +367,7 @@ def test_the_executor_time_per_stage_makes_time_centric_plans_coarser():
     recomputed stage all of ``Vi \\ B(Li)`` (eq. 1), not knowing that checkpoint stops at
     the stage's last saving op: both plans are scored that way here (the graph without
     ``saved_refs``, so every op counts as saving)."""
-    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
     budget = int(0.5 * plain_peak_bytes(graph))
@@ -390,9 +390,9 @@ def test_the_upper_bound_holds_on_a_profiled_gpt_whose_views_share_storage():
     storage, as the simulator does: on the profiled GPT, where a quarter of the vertices'
     bytes are views (head splits, reshapes), every plan it calls feasible fits by the
     simulator, and its smallest budget is at least the simulator's."""
-    from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import kusumoto
     from lightning_remat.solvers.kusumoto.bits import ancestor_sets, graph_bits
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = Graph.load(Path(__file__).parent / "data" / "gpt_cpu_b8.json")
     bound = kusumoto.LowerSetFamily(graph_bits(graph), ancestor_sets(graph_bits(graph)))
@@ -416,9 +416,9 @@ def test_the_sets_left_out_of_the_approximate_family_lose_nothing(profile):
     (tests/data), with the simulator's stage costs: the smallest budget is that of the
     whole n + 2 family, and no time-centric plan is slower, within the DP's time
     resolution (times are bucketed by T / time_steps, one bucket per stage)."""
-    from lightning_remat.planner import plain_peak_bytes
     from lightning_remat.solvers import kusumoto
     from lightning_remat.solvers.kusumoto.bits import ancestor_sets, approximate_sets, graph_bits
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = Graph.load(Path(__file__).parent / "data" / profile)
     bits = graph_bits(graph)

@@ -269,7 +269,7 @@ def test_modules_called_in_turn_share_one_budget_for_the_step(tmp_path):
     """At 45% the head alone cannot be planned within 45% of its own peak: it takes the
     least it needs and the encoder is planned again lower, so the two plans together stay
     within 45% of the two plain peaks together, and training is plain training's."""
-    from lightning_remat.planner import plain_peak_bytes
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     plain = _fit_steps(tmp_path / "plain", CallsEncoderThenSmallHead, "auto")
     strategy = RematStrategy(memory_budget="45%", cache_dir=tmp_path / "cache")

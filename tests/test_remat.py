@@ -19,9 +19,11 @@ from torch import nn
 
 import lightning_remat
 import lightning_remat.planner as planner_module
-from lightning_remat import RematInfeasibleError
+import lightning_remat.planner.first_step as first_step_module
+import lightning_remat.planner.settings as settings_module
+import lightning_remat.solvers.policy as policy_module
+from lightning_remat import RematInfeasibleError, remat
 from lightning_remat.graph.ir import Graph
-from lightning_remat.planner import remat
 from lightning_remat.runtime.module import RematModule
 from lightning_remat.solvers import SOLVERS, SolverEntry, get_solver, min_budget
 from lightning_remat.solvers.plan import Plan
@@ -68,8 +70,14 @@ def reachable_fraction(module: nn.Module, example: Any, monkeypatch: pytest.Monk
     plain peak, which varies from run to run on CPU; here remat() is made to read the
     simulated one, so the test is deterministic."""
     budget, plain = reachable_bytes(module, example, solver)
-    monkeypatch.setattr(planner_module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
+    simulated_plain_peaks(monkeypatch)
     return f"{100 * budget / plain:.4f}%"
+
+
+def simulated_plain_peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Have the planner read the simulated plain peak wherever it reads the plain peak."""
+    for module in (planner_module, settings_module, policy_module):
+        monkeypatch.setattr(module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
 
 
 # ---- the one call -----------------------------------------------------------------------------
@@ -116,7 +124,7 @@ def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_devi
     plan's predicted extra time includes it. The first step's timing, which would correct
     these times where the step measured otherwise (``tests/test_first_step_time.py``), is
     taken as on time here: on a loaded machine it can find the step slower."""
-    monkeypatch.setattr(planner_module, "time_error", lambda predicted, measured: None)
+    monkeypatch.setattr(first_step_module, "time_error", lambda predicted, measured: None)
     from lightning_remat.runtime.module import measure_recompute_overhead
     from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.scoring import recomputed_seconds
@@ -145,9 +153,9 @@ def test_fractions_are_of_the_profiled_plain_peak() -> None:
     graph = remat(residual_cnn(), torch.randn(2, 3, 8, 8)).graph
     assert graph.meta.plain_peak_bytes is not None  # measured by the profiler
     graph.meta.plain_peak_bytes = 12345
-    assert planner_module.plain_peak_bytes(graph) == 12345
+    assert policy_module.plain_peak_bytes(graph) == 12345
     graph.meta.plain_peak_bytes = None  # safe-mode profiles have none (0: too small to see)
-    assert planner_module.plain_peak_bytes(graph) == simulate(graph).peak_bytes
+    assert policy_module.plain_peak_bytes(graph) == simulate(graph).peak_bytes
 
 
 def test_no_budget_on_cpu_is_the_plain_plan_with_its_profile() -> None:
@@ -316,7 +324,7 @@ def test_a_fraction_is_of_each_shapes_own_plain_peak(monkeypatch) -> None:
     # input being planned, so a longer sequence gets a proportionally larger budget.
     torch.manual_seed(0)
     model = tiny_lm()
-    monkeypatch.setattr(planner_module, "plain_peak_bytes", lambda graph: simulate(graph).peak_bytes)
+    simulated_plain_peaks(monkeypatch)
     # Sequences of 16 and 32 at a batch of 4: at 8 the step is 46 KB, and a recomputed
     # stage's stash of the random-number state (5 KB, twice during its recomputation)
     # outweighs what it frees; at a batch of 2 the margin does (what the heap holds per op).
@@ -406,7 +414,7 @@ def test_auto_on_the_cpu_notes_that_it_skipped_offloading(monkeypatch) -> None:
     graph = remat(copy.deepcopy(model), x).graph
     with pytest.raises(RematInfeasibleError):
         remat(model, x, memory_budget=1, solver="auto")
-    plan = get_solver("auto")(graph, 1, **planner_module.solver_options("auto", torch.device("cpu")))
+    plan = get_solver("auto")(graph, 1, **policy_module.solver_options("auto", torch.device("cpu")))
     assert any("dynprog skipped" in note and "CPU" in note for note in plan.notes)
 
 

@@ -9,8 +9,8 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import derive_graph
 from lightning_remat.graph.trace import trace_module
-from lightning_remat.planner import plain_peak_bytes
 from lightning_remat.solvers import simulate
+from lightning_remat.solvers.policy import plain_peak_bytes
 from tests import models
 
 CASES = {

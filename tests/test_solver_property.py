@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lightning_remat import remat
 from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph, Node
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
-from lightning_remat.planner import remat
 from lightning_remat.solvers import (
     SOLVERS,
     Stage,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 import lightning_remat
-from lightning_remat.planner import plain_peak_bytes
+from lightning_remat.solvers.policy import plain_peak_bytes
 
 def edge_peak(fn):
     gc.collect()
@@ -289,7 +289,9 @@ def test_a_first_step_still_over_its_budget_is_refused_with_a_budget_that_is_acc
 
     from lightning_remat.errors import RematInfeasibleError
     from lightning_remat.meter import peak_bytes
-    from lightning_remat.planner import STEP_REPLANS, Planner, PlanSettings, plain_peak_bytes
+    from lightning_remat.planner import Planner, PlanSettings
+    from lightning_remat.planner.first_step import STEP_REPLANS
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     planner, x = _chain()
     reference = copy.deepcopy(planner.module)
@@ -338,7 +340,8 @@ def test_modules_called_in_turn_hold_their_shared_budget_at_the_meter() -> None:
     from torch import nn
 
     from lightning_remat.meter import peak_bytes
-    from lightning_remat.planner import Planner, PlanSettings, plain_peak_bytes
+    from lightning_remat.planner import Planner, PlanSettings
+    from lightning_remat.solvers.policy import plain_peak_bytes
     from lightning_remat.step_budget import StepBudget
 
     torch.manual_seed(0)
@@ -388,7 +391,7 @@ def test_steps_measured_after_planning_replan_twice_then_refuse() -> None:
     import pytest
 
     from lightning_remat.errors import RematInfeasibleError
-    from lightning_remat.planner import STEP_REPLANS
+    from lightning_remat.planner.first_step import STEP_REPLANS
 
     planner, x = _planned(*_chain())
     module = planner.remat_module

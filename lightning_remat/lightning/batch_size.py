@@ -64,9 +64,11 @@ from lightning_remat.lightning.trial import (
 )
 from lightning_remat.messages import DistributedRanks, world_size
 from lightning_remat.meter import collector_settled
-from lightning_remat.planner import PlanSettings, planning_summary, solver_options
+from lightning_remat.planner import PlanSettings
+from lightning_remat.planner.settings import planning_summary
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.solvers import SOLVERS, min_budget, simulate, solve
+from lightning_remat.solvers.policy import solver_options
 from lightning_remat.solvers.scoring import model_margin
 from lightning_remat.tuning import (
     SearchResult,

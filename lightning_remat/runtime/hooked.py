@@ -21,7 +21,7 @@ the same Parameter objects. Outside a planned forward (the original module calle
 - ``keep``: plainly.
 
 Each checkpointed submodule keeps its own input, so a plan here has one vertex per stage:
-:func:`per_submodule_plan` turns a solver's plan into that form and scores it with the
+:func:`~lightning_remat.solvers.policy.per_submodule_plan` turns a solver's plan into that form and scores it with the
 simulator, so the predicted peak describes what runs.
 """
 
@@ -35,15 +35,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.effects import OncePerStep
-from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers import fits
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.scoring import make_plan
 
-__all__ = ["CheckpointedForward", "SubmoduleCheckpointing", "every_submodule_recomputed",
-           "per_submodule_plan"]
+__all__ = ["CheckpointedForward", "SubmoduleCheckpointing"]
 
 OffloadContext = Callable[[int, Stage], contextlib.AbstractContextManager]
 
@@ -130,39 +125,3 @@ class SubmoduleCheckpointing:
 
     def sources(self) -> list[str]:
         return [f"{name}: {action}" for name, (action, _) in self.actions.items()]
-
-
-def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Plan:
-    """``plan`` with one vertex per stage, as the fallback runs it (each recomputed
-    submodule again whole), scored by the simulator.
-    When that no longer fits the budget, the least recomputation that does: every vertex
-    recomputed, then, by decreasing forward time, kept again wherever it still fits. Raises
-    :class:`~lightning_remat.errors.RematInfeasibleError` when even that does not fit."""
-    actions = plan.action_of()
-    split = make_plan(graph, [Stage([v], actions.get(v, "keep")) for v in graph.ids],
-                      plan.solver, budget_bytes, whole_stages=True)
-    if fits(split, budget_bytes):
-        return split
-    chosen = {v: "recompute" for v in graph.ids}
-    best = every_submodule_recomputed(graph, plan.solver, budget_bytes)
-    if not fits(best, budget_bytes):
-        raise RematInfeasibleError(budget_bytes or 0, best.guaranteed_peak_bytes,
-                                   f"{plan.solver}, each submodule checkpointed on its own "
-                                   "(the model could not be traced)")
-    for v in sorted(graph.ids, key=lambda v: -graph[v].t_fwd):
-        chosen[v] = "keep"
-        trial = make_plan(graph, [Stage([u], chosen[u]) for u in graph.ids], plan.solver,
-                          budget_bytes, whole_stages=True)
-        if fits(trial, budget_bytes):
-            best = trial
-        else:
-            chosen[v] = "recompute"
-    return best
-
-
-def every_submodule_recomputed(graph: Graph, solver: str = "per-submodule",
-                               budget_bytes: int | None = None) -> Plan:
-    """Every vertex (submodule) recomputed on its own, as the fallback runs it: the least
-    memory :func:`per_submodule_plan` can reach."""
-    return make_plan(graph, [Stage([v], "recompute") for v in graph.ids], solver, budget_bytes,
-                     whole_stages=True)
