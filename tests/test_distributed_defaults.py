@@ -25,6 +25,10 @@ from lightning_remat.lightning.fsdp import RematFSDPStrategy
 from lightning_remat.lightning.strategy import RematDDPStrategy
 from tests.distributed import run_ranks
 
+# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
+# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
+pytestmark = pytest.mark.xdist_group("test_distributed_defaults")
+
 STEPS = 3
 WIDTH = 64
 
