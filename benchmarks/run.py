@@ -433,7 +433,7 @@ def _plain_graph(model, x):
 def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     """Each solver's predicted peak and extra time, and its runtime, on a profiled graph at
     each budget (a fraction of the plain plan's predicted peak)."""
-    from lightning_remat.budget import parse_budget
+    from lightning_remat.budget import Budget
     from lightning_remat.runtime.offload import measure_bandwidth
     from lightning_remat.solvers import fits, get_solver, min_budget
     from lightning_remat.solvers.policy import plain_peak_bytes, solver_options
@@ -446,7 +446,7 @@ def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:
     for solver in PREDICTED_SOLVERS:
         options = solver_options(solver, device)
         for budget in budgets:
-            budget_bytes = parse_budget(budget, plain)
+            budget_bytes = Budget(budget).resolve(plain)
             start = time.perf_counter()
             plan = get_solver(solver)(graph, budget_bytes, **options)
             seconds = time.perf_counter() - start

@@ -1,11 +1,21 @@
-"""Memory budgets as users write them: bytes, ``"4GiB"``, ``"512MB"``, ``"60%"``."""
+"""Memory budgets as users write them: bytes, ``"4GiB"``, ``"512MB"``, ``"60%"``, or None.
+
+:class:`Budget` is the one place a budget is read: made once from what the user wrote (and
+checked then, before any profiling), and turned into bytes once per graph against the plain
+step's peak (a fraction) or the device's free memory (None). ``remat()``, the strategies,
+the batch-size search, the command line and the benchmarks all resolve it here, so a
+percentage is the same bytes everywhere.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NoReturn
 
-__all__ = ["ACCEPTED_FORMS", "format_bytes", "parse_budget", "validate_budget"]
+__all__ = ["ACCEPTED_FORMS", "Budget", "format_bytes", "parse_budget", "validate_budget"]
+
 
 _UNITS = {
     "": 1, "b": 1,
@@ -84,6 +94,60 @@ def _refuse_fraction(budget: float | str) -> NoReturn:
 def validate_budget(budget: int | float | str | None) -> None:
     """Raise the ValueError parse_budget would, without knowing the plain peak yet."""
     parse_budget(budget, plain_peak_bytes=2**50)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget as the user wrote it (``written``): an int number of bytes, a size
+    string (``"4GiB"``), a fraction of the plain step's peak (``"60%"``, ``0.6``, ``"0.6"``)
+    or None (the device's free memory; no limit where the device reports none). Checked
+    when made: a malformed budget raises ``ValueError`` naming the accepted forms."""
+
+    written: int | float | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.written, Budget):
+            object.__setattr__(self, "written", self.written.written)
+        validate_budget(self.written)
+
+    @classmethod
+    def of(cls, budget: int | float | str | Budget | None) -> Budget:
+        """``budget`` as a :class:`Budget` (one already made is returned as it is)."""
+        return budget if isinstance(budget, Budget) else cls(budget)
+
+    @property
+    def relative(self) -> bool:
+        """Whether it is a fraction of the plain step's peak, not bytes."""
+        if self.written is None:
+            return False
+        return parse_budget(self.written, 2**40) != parse_budget(self.written, 2**41)
+
+    @property
+    def from_device(self) -> bool:
+        """Whether it is the device's free memory (written as None)."""
+        return self.written is None
+
+    def resolve(self, plain_peak_bytes: int | Callable[[], int] | None = None,
+                free_memory: Callable[[], int | None] | None = None) -> int | None:
+        """Its bytes: a fraction of ``plain_peak_bytes`` (a count, or a function that
+        gives it, called only for a fraction), the reading of ``free_memory()`` for None
+        (no function: no limit, None), else the bytes written."""
+        if self.written is None:
+            return None if free_memory is None else free_memory()
+        if self.relative and callable(plain_peak_bytes):
+            plain_peak_bytes = plain_peak_bytes()
+        return parse_budget(self.written, plain_peak_bytes if self.relative else None)
+
+    def absolute(self, why: str) -> int | None:
+        """Its bytes where only bytes mean anything (``why`` says where): a fraction is
+        refused with a ``ValueError`` that says so; None stays None."""
+        if self.relative:
+            raise ValueError(f"memory_budget={self.written!r} is a fraction of the plain step's peak, "
+                             f"which {why}; give bytes or a size string such as '6GiB' or 512 * 2**20")
+        return self.resolve()
+
+    def __str__(self) -> str:
+        return "the device's free memory" if self.written is None else str(self.written)
 
 
 def format_bytes(nbytes: float) -> str:

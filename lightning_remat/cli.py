@@ -249,11 +249,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_solve(args: argparse.Namespace) -> int:
-    from lightning_remat.budget import parse_budget
-    from lightning_remat.solvers import fits, get_solver, min_budget, plain_plan
+    from lightning_remat.budget import Budget
+    from lightning_remat.solvers import fits, get_solver, min_budget
+    from lightning_remat.solvers.policy import plain_peak_bytes
 
     graph = load_graph(args.graph)
-    budget = parse_budget(args.budget, plain_plan(graph).predicted_peak_bytes)
+    # A fraction is of the plain peak the graph's profile measured, as remat() takes it.
+    budget = Budget(args.budget).resolve(lambda: plain_peak_bytes(graph))
     plan = get_solver(args.solver)(graph, budget)
     if not fits(plan, budget):
         raise RematInfeasibleError(budget or 0, min_budget(graph, args.solver), args.solver)
@@ -387,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("solve", help="plan a graph for a budget")
     p.add_argument("--graph", type=graph_file, required=True)
     p.add_argument("--budget", type=budget_arg, required=True,
-                   help="bytes, '4GiB', '512MB', or '60%%' (0.6) of the plain peak")
+                   help="bytes, '4GiB', '512MB', or '60%%' (0.6) of the plain peak the graph's profile "
+                        "measured (as remat() takes it; simulated where none was measured)")
     p.add_argument("--solver", default="auto", type=solver_name, help=SOLVER_HELP)
     p.add_argument("--json", action="store_true", help="print the plan JSON")
     p.set_defaults(func=_cmd_solve)

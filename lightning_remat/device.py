@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "default_budget", "device_name", "free_device_memory", "is_out_of_memory", "module_device",
+    "default_budget", "device_name", "training_budget", "free_device_memory", "is_out_of_memory", "module_device",
     "move_to_device", "optimizer_state_made", "fsdp_unit_types", "is_sharded_unit",
 ]
 
@@ -72,6 +72,16 @@ def default_budget(device: torch.device, margin: float = DEFAULT_MARGIN) -> int 
     free, _total = torch.cuda.mem_get_info(device)
     cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int((free + cached_unused) * (1 - margin))
+
+
+def training_budget(device: torch.device, optimizers: Sequence[torch.optim.Optimizer]) -> int | None:
+    """:func:`default_budget` as training has it from its second step on, with the
+    optimizers' state in place (:func:`optimizer_state_made`): a plan made at the first
+    step, before that state exists, would otherwise count it as free. None off CUDA."""
+    if default_budget(device) is None:
+        return None  # no limit (the CPU)
+    with optimizer_state_made(optimizers):
+        return default_budget(device)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -362,15 +362,36 @@ def collector_settled() -> Iterator[None]:
         gc.unfreeze()
 
 
+class CudaPeak:
+    """The caching allocator's peak above what was allocated at :meth:`start`, the one CUDA
+    reading of a step's peak (its peak counter is reset at the start: a reading taken
+    before is lost). ``synchronize``: wait for the work queued on the device at each end;
+    the counters are the host's bookkeeping of what was enqueued, so a reading at a step's
+    boundaries inside a training loop needs none."""
+
+    def __init__(self, device: str | torch.device, synchronize: bool = True) -> None:
+        self.device, self.synchronize, self.base = torch.device(device), synchronize, 0
+
+    def start(self) -> None:
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> int:
+        """The peak bytes since :meth:`start` above what was allocated then."""
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device) - self.base)
+
+
 def peak_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:
     """Run ``fn()`` once and return the peak bytes it held above the level before it."""
     if is_cuda(device):
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        peak = CudaPeak(device)
+        peak.start()
         fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
+        return peak.stop()
     gc.collect()  # garbage from before would be freed during fn: never counted, never subtracted
     with step_meter(torch.device(device).type) as meter:
         fn()

@@ -59,7 +59,7 @@ def format_plan(
         facts.append(("input shapes", str([list(s) for s in shapes])))
     facts += [
         ("plain peak", format_bytes(plain) if plain else "not measured"),
-        ("budget", format_bytes(budget_bytes) if budget_bytes else "none"),
+        ("budget", f"{format_bytes(budget_bytes)} ({budget_bytes} bytes)" if budget_bytes else "none"),
         ("predicted peak", format_bytes(plan.predicted_peak_bytes)),
         ("margin", f"{format_bytes(plan.margin_bytes)} (known error of the prediction, within the budget)"),
         ("feasible", "yes" if plan.feasible else "no"),

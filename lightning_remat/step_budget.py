@@ -25,11 +25,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning_remat.budget import format_bytes, parse_budget
+from lightning_remat.budget import Budget, format_bytes
 from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 
-__all__ = ["StepBudget", "is_relative", "named_refusal", "naming"]
+__all__ = ["StepBudget", "named_refusal", "naming"]
 
 Planner = Any
 """A :class:`~lightning_remat.planner.Planner` (which imports this module)."""
@@ -56,21 +56,13 @@ def named_refusal(planner: Callable[..., Any], name: str) -> Callable[..., Any]:
     return call
 
 
-def is_relative(memory_budget: int | float | str | None) -> bool:
-    """Whether ``memory_budget`` is a fraction of the plain peak (``"50%"``, ``0.5``)
-    rather than bytes."""
-    if memory_budget is None:
-        return False
-    return parse_budget(memory_budget, 2**40) != parse_budget(memory_budget, 2**41)
-
-
 class StepBudget:
     """The budget the planned modules of one training step share. ``memory_budget``: as
     the planners' settings give it (None: no limit, nothing shared)."""
 
     def __init__(self, memory_budget: int | float | str | None) -> None:
         self.memory_budget = memory_budget
-        self.relative = is_relative(memory_budget)
+        self.relative = Budget.of(memory_budget).relative
         self.members: dict[str, Planner] = {}
         """Each planned module's planner, by name, in the order the step first called them."""
         self.own: dict[str, int] = {}

@@ -22,7 +22,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_remat.graph.effects import preserved_state
-from lightning_remat.graph.trace import build_fx_graph, default_loss, trace_module
+from lightning_remat.graph.trace import default_loss, trace_module
+from lightning_remat.graph.vertices import build_fx_graph
 from lightning_remat.runtime.module import RematModule, apply_plan
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan

@@ -525,7 +525,7 @@ def test_cli_tune_prints_the_report(tmp_path, capsys):
 
 # ---- inputs --------------------------------------------------------------------------------------
 def test_bad_arguments_get_clear_errors():
-    with pytest.raises(ValueError, match="absolute budget"):
+    with pytest.raises(ValueError, match="fraction of the plain step.s peak, which grows with the batch size"):
         RematBatchSizeFinder(memory_budget="60%")
     with pytest.raises(ValueError, match="init_val"):
         RematBatchSizeFinder(init_val=64, max_val=8)

@@ -289,6 +289,7 @@ def test_a_trials_plan_reads_the_default_budget_once_the_optimizer_state_exists(
     optimizer's state in place, as its verdict is; the state is gone again after the trial."""
     import pytorch_lightning as pl
 
+    import lightning_remat.device as device_module
     import lightning_remat.lightning.trial as trial_module
     from tests.test_batch_size import SizedConvNet, _search_settings, small_trainer
 
@@ -303,7 +304,8 @@ def test_a_trials_plan_reads_the_default_budget_once_the_optimizer_state_exists(
                 reads.append(len(optimizer.state))
                 return 10**9 - 10**6 * len(optimizer.state)
 
-            monkeypatch.setattr(trial_module, "default_budget", available)
+            monkeypatch.setattr(trial_module, "default_budget", available)  # the verdict's
+            monkeypatch.setattr(device_module, "default_budget", available)  # the plan's
             settings = _search_settings(trainer, 10**9)
             settings = dataclasses.replace(settings, budget_from_device=True,
                                            plan=dataclasses.replace(settings.plan, memory_budget=None))
@@ -328,7 +330,7 @@ def test_the_strategy_reads_a_default_budget_with_the_optimizer_state_in_place(t
     training is the same as without it."""
     import pytorch_lightning as pl
 
-    import lightning_remat.lightning.strategy as strategy_module
+    import lightning_remat.device as device_module
     from lightning_remat.lightning.strategy import RematStrategy
     from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
@@ -341,9 +343,11 @@ def test_the_strategy_reads_a_default_budget_with_the_optimizer_state_in_place(t
         model = MomentumNet()
         trainer = pl.Trainer(strategy=RematStrategy(memory_budget=None, cache_dir=root),
                              **trainer_kwargs(root, max_steps=2))
+        reads_of[:] = [trainer]
         trainer.fit(model, loaders(n=32, batch_size=8)[0])
         return model, trainer
 
+    reads_of: list = []
     plain, _ = fit(tmp_path / "plain")  # the CPU: no limit, nothing read
     reads: list[int] = []
 
@@ -352,15 +356,7 @@ def test_the_strategy_reads_a_default_budget_with_the_optimizer_state_in_place(t
         reads.append(sum(len(o.state) for o in trainer.optimizers))
         return 10**9 - 10**6 * reads[-1]
 
-    reads_of: list = []
-    original = strategy_module._free_memory
-
-    def free_memory(trainer, device):
-        reads_of[:] = [trainer]
-        return original(trainer, device)
-
-    monkeypatch.setattr(strategy_module, "default_budget", available)
-    monkeypatch.setattr(strategy_module, "_free_memory", free_memory)
+    monkeypatch.setattr(device_module, "default_budget", available)
     model, trainer = fit(tmp_path / "read")
     states = reads[1::2]  # each reading: once to ask whether there is a limit, once with the state
     assert states and min(states) > 0

@@ -24,6 +24,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.meaning",),
     ("graph.functions",),
     ("graph.export",),
+    ("graph.vertices",),
     ("graph.trace",),
     ("graph.instruments",),
     ("graph.opmeter",),

@@ -25,7 +25,7 @@ def search(report: Report, name: str, budget: str | None, max_val: int) -> None:
     import torch
 
     from lightning_remat import RematStrategy, find_max_batch_size
-    from lightning_remat.budget import parse_budget
+    from lightning_remat.budget import Budget
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -51,7 +51,7 @@ def search(report: Report, name: str, budget: str | None, max_val: int) -> None:
             return
         # What a budget bounds: a step's peak above what is resident when it begins.
         peak = peak_of.peak
-        limit = parse_budget(budget, None) if budget is not None else torch.cuda.mem_get_info()[1]
+        limit = Budget(budget).resolve(free_memory=lambda: torch.cuda.mem_get_info()[1])
         report.check(f"{name}: trains at the size found within the budget", peak <= limit,
                      f"peak {peak / 2**30:.2f} GiB, budget {limit / 2**30:.2f} GiB", peak_bytes=peak)
 

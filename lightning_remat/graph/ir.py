@@ -75,7 +75,8 @@ what the executor itself costs per recomputed stage and per vertex in one, over 
 recomputation (each measured once per device); and ``measured_excess_bytes``: what the
 first training step under a plan measured above its prediction (the model's margin covers
 it from then on); and on the CPU ``scratch_buffers``: the most buffers the C library maps on
-their own pages that one op held at once. Keys are
+their own pages that one op held at once, and from the profile ``mapped_buffer_bytes`` and
+``page_bytes``, the C library's mmap threshold and the page size where it was measured. Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
 
@@ -324,6 +325,12 @@ class GraphMeta:
     """CPU: the most buffers the C library maps on pages of their own (its mmap threshold
     and over) that one op allocated and held at once, its output and scratch (a grouped
     convolution through im2col: one per group); each may take a page more than its size."""
+    mapped_buffer_bytes: int | None = None
+    """CPU: the smallest buffer the C library of the profiled process maps on pages of its
+    own (glibc's mmap threshold; None: its default, 128 KiB), so the simulator reads no
+    environment of the process that plans."""
+    page_bytes: int | None = None
+    """CPU: the page size of the profiled machine (None: this machine's)."""
     grads_resident: bool | None = None
     """Whether the parameters' gradients exist before the step, so are resident
     (``zero_grad(set_to_none=False)``; docs/design.md section 4.7)."""

@@ -30,7 +30,8 @@ from lightning_remat.graph.instruments import (
     output_bytes,
     storage_of,
 )
-from lightning_remat.graph.trace import Traced, is_getitem
+from lightning_remat.graph.trace import Traced
+from lightning_remat.graph.vertices import is_getitem
 from lightning_remat.meter import StepMeter, tensors_in
 
 __all__ = ["NodeProfiler", "OpMeter", "SubmoduleProfiler"]

@@ -34,6 +34,7 @@ share it), the clocks, workspace readings and backward hooks it reads are
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import time
 import weakref
@@ -60,13 +61,13 @@ from lightning_remat.graph.opmeter import NodeProfiler, OpMeter, SubmoduleProfil
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
-    ValueRecorder,
     as_tuple,
     call_through,
     loop_loss,
     trace_module,
 )
-from lightning_remat.meter import StepMeter, peak_bytes, step_meter, tensors_in
+from lightning_remat.graph.vertices import ValueRecorder
+from lightning_remat.meter import StepMeter, mapped_buffer_bytes, peak_bytes, step_meter, tensors_in
 
 __all__ = ["profile_module"]
 
@@ -309,6 +310,7 @@ def profile_module(
     meta.resident_views = [vid for vid in traced.graph.ids if vid in first.resident_views]
     if device.type != "cuda":
         meta.scratch_buffers = first.scratch_buffers
+        meta.mapped_buffer_bytes, meta.page_bytes = mapped_buffer_bytes(), mmap.PAGESIZE
     meta.safe = safe
     if safe:
         meta.step_seconds = sum(n.t_fwd + n.t_bwd for n in nodes)

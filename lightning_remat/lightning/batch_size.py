@@ -51,7 +51,7 @@ from pytorch_lightning.utilities.parsing import (
 )
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
-from lightning_remat.budget import parse_budget
+from lightning_remat.budget import Budget
 from lightning_remat.cache import default_cache_dir
 from lightning_remat.device import default_budget
 from lightning_remat.graph.ir import Graph
@@ -163,7 +163,7 @@ class RematBatchSizeFinder(Callback):
             raise ValueError(f"steps_per_trial={steps_per_trial!r} must be an int >= 1")
         if solver is not None and solver not in SOLVERS:
             raise ValueError(f"solver={solver!r}: choose one of {sorted(SOLVERS)}")
-        _absolute_budget(memory_budget)
+        Budget.of(memory_budget).absolute(_WHY_BYTES)
         self.memory_budget = memory_budget
         self.solver = solver
         self.batch_arg_name = batch_arg_name
@@ -214,9 +214,9 @@ class RematBatchSizeFinder(Callback):
                 budget = remat_strategy.memory_budget
             plan = dataclasses.replace(remat_strategy.remat_settings, solver=self.solver or remat_strategy.solver)
         device = strategy.root_device
-        budget_bytes = _absolute_budget(budget)
-        if budget_bytes is None:
-            budget_bytes = default_budget(device)
+        written = Budget.of(budget)
+        written.absolute(_WHY_BYTES)  # a fraction of the plain peak is refused
+        budget_bytes = written.resolve(free_memory=lambda: default_budget(device))
         if budget_bytes is None:
             raise MisconfigurationException(
                 "RematBatchSizeFinder on CPU needs memory_budget= (bytes or '512MiB'): nothing "
@@ -230,7 +230,7 @@ class RematBatchSizeFinder(Callback):
             plan=plan, budget_bytes=budget_bytes, device=device,
             target=remat_strategy.target if remat_strategy is not None else None,
             cache_dir=Path(cache_dir or default_cache_dir(trainer.default_root_dir)),
-            budget_from_device=_absolute_budget(budget) is None,
+            budget_from_device=written.from_device,
         )
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
@@ -388,15 +388,7 @@ class RematBatchSizeFinder(Callback):
         return self.report
 
 
-def _absolute_budget(budget: int | float | str | None) -> int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, float) or (isinstance(budget, str) and budget.strip().endswith("%")):
-        raise ValueError(
-            f"memory_budget={budget!r} is relative to the plain peak, which grows with the batch "
-            "size; the batch-size search needs an absolute budget such as '6GiB' or 512 * 2**20"
-        )
-    return parse_budget(budget)
+_WHY_BYTES = "grows with the batch size: the batch-size search needs bytes"
 
 
 def find_max_batch_size(

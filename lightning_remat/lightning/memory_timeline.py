@@ -52,7 +52,7 @@ class MemoryTimelineLogger(pl.Callback):
         self.timeline = timeline
         self._logged_plans: set[int] = set()
         self._t0 = 0.0
-        self._base = 0
+        self._cuda_peak: meter.CudaPeak | None = None
         self._meter: meter.StepMeter | None = None
         self._layout_written = False
         self._logging = False
@@ -79,10 +79,8 @@ class MemoryTimelineLogger(pl.Callback):
             return  # counters are read on logging steps only
         device = pl_module.device
         if meter.is_cuda(device):
-            # The allocator's counters are host-side bookkeeping of what was enqueued: no
-            # device synchronisation is needed to read or reset them.
-            self._base = torch.cuda.memory_allocated(device)  # CUDA only
-            torch.cuda.reset_peak_memory_stats(device)  # CUDA only
+            self._cuda_peak = meter.CudaPeak(device, synchronize=False)
+            self._cuda_peak.start()
         else:  # every allocation the step makes (docs/design.md section 6)
             self._stop_meter()
             self._meter = meter.step_meter(torch.device(device).type)
@@ -113,7 +111,7 @@ class MemoryTimelineLogger(pl.Callback):
             return
         device = pl_module.device
         if meter.is_cuda(device):
-            peak = torch.cuda.max_memory_allocated(device) - self._base  # CUDA only
+            peak = self._cuda_peak.stop()
             reserved = torch.cuda.memory_reserved(device)  # CUDA only
         else:
             peak = self._stop_meter()

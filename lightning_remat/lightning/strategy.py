@@ -33,7 +33,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_remat.cache import PlanCache, StoredPlan, default_cache_dir
-from lightning_remat.device import default_budget, optimizer_state_made
+from lightning_remat.device import training_budget
 from lightning_remat.inputs import shapes_of, stored_key
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.messages import DistributedRanks
@@ -92,16 +92,6 @@ def progress_lines(trainer: pl.Trainer) -> Callable[[str], None] | None:
     if bar is None or bar.is_disabled:
         return None
     return lambda line: rank_zero_info(f"lightning-remat: {line}")
-
-
-def _free_memory(trainer: pl.Trainer, device: torch.device) -> int | None:
-    """The budget of ``memory_budget=None``: the device's available memory as training has
-    it from its second step on, with the optimizer's state in place (a plan made at the
-    first step, before that state exists, would otherwise count it as free)."""
-    if default_budget(device) is None:
-        return None  # no limit (the CPU)
-    with optimizer_state_made(trainer.optimizers):
-        return default_budget(device)
 
 
 class RematHooks:
@@ -222,7 +212,7 @@ class RematHooks:
             cache=PlanCache(Path(cache_dir) / "plans.sqlite"),
             ranks=DistributedRanks() if world_size > 1 else None, on_plan=self._on_plan,
             keep_example=self._add_dashboards(trainer), progress=progress_lines(trainer),
-            free_memory=functools.partial(_free_memory, trainer),
+            free_memory=lambda device: training_budget(device, trainer.optimizers),
         )
         lightning_module = self.lightning_module  # type: ignore[attr-defined]
         if self.target or not self.plans_what_the_step_runs:

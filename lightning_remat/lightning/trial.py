@@ -50,13 +50,14 @@ from lightning_remat.cache import PlanCache
 from lightning_remat.device import (
     default_budget,
     move_to_device,
-    optimizer_state_made,
+    training_budget,
 )
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.scale import check_family, derive_graph
-from lightning_remat.graph.trace import EXPORT, Traced, default_loss, local_bytes, trace_module
+from lightning_remat.graph.trace import EXPORT, Traced, default_loss, trace_module
+from lightning_remat.graph.vertices import local_bytes
 from lightning_remat.lightning.strategy import RematHooks, forward_routed
 from lightning_remat.messages import DistributedRanks, world_size
 from lightning_remat.meter import peak_bytes
@@ -390,15 +391,6 @@ class LightningTrial:
                               repeats=self.settings.plan.profile_repeats,
                               safe=self.settings.plan.safe_profile, loss_fn=self._loss)
 
-    def _free_memory(self, device: torch.device) -> int | None:
-        """The plan's budget for ``memory_budget=None``: the available memory with the
-        optimizer's state in place, as the trial's verdict reads it after its first step
-        (read before that state exists, the plan would count it as free)."""
-        if default_budget(device) is None:
-            return None
-        with optimizer_state_made(list(self.trainer.optimizers)):
-            return default_budget(device)
-
     def _run_step(self, batch: Any, measured: list[tuple[int, int, float]] | None = None) -> None:
         """One training step as Lightning's automatic optimization runs it: the module's
         ``optimizer_step`` hook steps its LightningOptimizer with a closure running the
@@ -470,7 +462,7 @@ class LightningTrial:
                     profiler=self._graph_for_trial if self.family else None,
                     loss_fn=self._loss,
                     tracer=self._trace_for_trial if self.family else None,
-                    free_memory=self._free_memory,
+                    free_memory=lambda device: training_budget(device, list(self.trainer.optimizers)),
                     check_first_step=False,  # the trial measures its steps itself
                 )
                 planned = planner.planned_for(args, kwargs)  # RematInfeasibleError: no plan

@@ -22,11 +22,10 @@ from lightning_remat.errors import RematInfeasibleError, warn_caller
 from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.trace import CHILDREN, loop_loss
 from lightning_remat.messages import world_size
-from lightning_remat.meter import peak_bytes
+from lightning_remat.meter import CudaPeak, peak_bytes
 from lightning_remat.planner.settings import Planned
 from lightning_remat.runtime.module import Variant, build_traced_variant
 from lightning_remat.runtime.stepcheck import (
-    CudaStepMeter,
     correct_times,
     metered_step,
     predicted_extra_seconds,
@@ -79,7 +78,7 @@ class FirstStepCheck:
         if device.type != "cuda":
             return run(variant)  # measured when it was planned (:meth:`_check_new_plan`)
         planned.checked = True
-        meter = CudaStepMeter(device)
+        meter = CudaPeak(device)
         meter.start()
         outputs = run(variant)
         watch_backward(outputs, lambda: self._measured(planned, meter.stop()))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_remat.budget import parse_budget, validate_budget
+from lightning_remat.budget import Budget
 from lightning_remat.cache import PlanBasis
 from lightning_remat.device import default_budget, module_device, move_to_device
 from lightning_remat.graph.effects import preserved_training_state
@@ -56,7 +56,7 @@ class PlanSettings:
     """Let ``solver="auto"`` fall back to offloading (on CUDA only)."""
 
     def __post_init__(self) -> None:
-        validate_budget(self.memory_budget)  # a malformed budget fails before any profiling
+        Budget.of(self.memory_budget)  # a malformed budget fails before any profiling
         if self.solver not in SOLVERS:
             raise ValueError(f"solver={self.solver!r}: choose one of {sorted(SOLVERS)}")
         if isinstance(self.profile_repeats, bool) or not isinstance(self.profile_repeats, int) \
@@ -67,9 +67,8 @@ class PlanSettings:
                      free_memory: Callable[[torch.device], int | None] | None = None) -> int | None:
         """The budget in bytes for the input ``graph`` was profiled on. ``free_memory``:
         reads the device's memory for a budget of None (default: :func:`default_budget`)."""
-        if self.memory_budget is None:
-            return (free_memory or default_budget)(device)
-        return parse_budget(self.memory_budget, plain_peak_bytes(graph))
+        return Budget.of(self.memory_budget).resolve(
+            lambda: plain_peak_bytes(graph), lambda: (free_memory or default_budget)(device))
 
 
 @dataclass

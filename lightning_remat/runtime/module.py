@@ -39,10 +39,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from lightning_remat.device import fsdp_unit_types
 from lightning_remat.errors import warn_caller
 from lightning_remat.graph.effects import OncePerStep, call_with_hooks, has_forward_hooks
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced, fsdp_unit_types, fx_vertex_graph
+from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced
+from lightning_remat.graph.vertices import fx_vertex_graph
 from lightning_remat.imports import sympy_imported
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes

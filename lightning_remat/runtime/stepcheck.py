@@ -40,7 +40,7 @@ from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
-    "TIMED_STEPS", "TIME_POINTS", "CudaStepMeter", "StepTimes", "correct_times", "metered_step",
+    "TIMED_STEPS", "TIME_POINTS", "StepTimes", "correct_times", "metered_step",
     "predicted_extra_seconds", "time_error", "timed_steps", "watch_backward",
 ]
 
@@ -50,26 +50,6 @@ prediction before the graph's times are corrected (5 points)."""
 
 TIMED_STEPS = 3
 """Plain and planned steps timed each, alternating; the least of each is taken."""
-
-
-class CudaStepMeter:
-    """The caching allocator's peak above what was allocated when the step started. Its
-    peak counter is reset then (a reading taken before the step is lost)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.base = 0
-
-    def start(self) -> None:
-        """Called as the step's forward starts."""
-        torch.cuda.synchronize(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def stop(self) -> int:
-        """Called when the step's backward has ended: the step's peak bytes."""
-        torch.cuda.synchronize(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device) - self.base)
 
 
 def watch_backward(outputs: Any, on_end: Callable[[], None]) -> bool:

@@ -112,7 +112,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
     :data:`CUDA_UNSPLIT_BYTES` for each vertex value of the large pool, which may get a
     cached block that large beyond its size; on other devices ``SMALL_TENSOR_BYTES`` and
     ``HEAP_BYTES_PER_VERTEX`` per vertex, ``HEAP_BYTES_PER_MAPPED_BUFFER`` for each buffer the C library maps on its own that the plain step holds, and a page for each buffer it may map on its own that can be live
-    at once (``meter.mapped_buffer_bytes``). A graph no profile measured (no
+    at once (``meta.mapped_buffer_bytes``, a page of ``meta.page_bytes``). A graph no profile measured (no
     ``meta.device``) is its own exact model: no margin. Plus what a real step under a plan of the graph measured above its prediction
     (``meta.measured_excess_bytes``)."""
     measured_excess = int(graph.meta.measured_excess_bytes or 0)
@@ -127,13 +127,14 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
         return margin + measured_excess
     held = simulate(graph).mapped_buffers
-    return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n + mmap.PAGESIZE * _mapped_buffers(graph, held)
+    page = int(graph.meta.page_bytes or mmap.PAGESIZE)
+    return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n + page * _mapped_buffers(graph, held)
             + HEAP_BYTES_PER_MAPPED_BUFFER * held + measured_excess)
 
 
 def _mapped_buffers(graph: Graph, held: int) -> int:
     """How many buffers the C library may map on its own pages a CPU step holds at once:
-    the most storages of at least ``meter.mapped_buffer_bytes()`` live at once in the
+    the most storages of at least ``meta.mapped_buffer_bytes`` live at once in the
     plain step (a plan holds no more of them: it frees what it recomputes), and those one
     op allocates and holds at once, as the profile counted them (``meta.scratch_buffers``;
     absent: one for its forward's scratch and one for its backward's)."""

@@ -84,7 +84,6 @@ from typing import Any
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS, VIEW_OPS
-from lightning_remat.meter import mapped_buffer_bytes
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import (
     Schedule,
@@ -123,7 +122,7 @@ class Event:
 class Timeline:
     events: list[Event] = field(default_factory=list)
     mapped_buffers: int = 0
-    """The most storages of at least :func:`mapped_buffer_bytes` live at once."""
+    """The most storages of at least ``meta.mapped_buffer_bytes`` live at once."""
 
     @property
     def peak_bytes(self) -> int:
@@ -138,11 +137,11 @@ class _Storages:
 
     __slots__ = ("grad_live", "live", "mapped", "mapped_peak", "refs", "size", "threshold")
 
-    def __init__(self) -> None:
+    def __init__(self, threshold: int) -> None:
         self.live = 0
         self.grad_live = 0  # of which gradients (of values and of parameters)
         self.mapped = self.mapped_peak = 0  # storages the C library maps on their own pages
-        self.threshold = mapped_buffer_bytes()
+        self.threshold = threshold
         self.refs: dict[object, int] = {}
         self.size: dict[object, int] = {}
 
@@ -185,6 +184,9 @@ class _Storages:
             self._free(key)
 
 
+MAPPED_BUFFER_BYTES = 128 * 2**10
+"""glibc's mmap threshold where the graph does not record the profiled process's own
+(``meta.mapped_buffer_bytes``)."""
 _GRADIENT_KINDS = frozenset({"grad", "param_grad"})  # every storage key is (kind, name)
 
 
@@ -309,7 +311,7 @@ class StepSimulation:
         else:
             self.__dict__.update(prepared)  # read-only while the step runs
 
-        self.mem = _Storages()
+        self.mem = _Storages(int(graph.meta.mapped_buffer_bytes or MAPPED_BUFFER_BYTES))
         self.timeline = Timeline()
         # The storages v's saved state holds; the inputs a recomputed stage keeps; the
         # vertices of an offloaded stage whose saved state left the device.
