@@ -12,7 +12,7 @@ model each a ``fully_shard`` unit, as ``RematFSDPStrategy`` expects it, in four 
   ``apply_activation_checkpointing`` with ``checkpoint_wrapper`` on every ``Block``, then
   ``fully_shard``.
 
-For each: the per-rank peak of one step (:func:`lightning_remat.meter.peak_bytes` on each rank,
+For each: the per-rank peak of one step (:func:`lightning_remat.measure.peak.peak_bytes` on each rank,
 the larger of the two), the median step time as a ratio to plain FSDP's (measured in the same
 processes), and the largest batch per rank whose measured peak stays within plain FSDP's
 per-rank peak at the base batch (doubling, then bisecting to ``--granularity``; for
@@ -95,7 +95,7 @@ def _measure(method: str, batch: int, args: argparse.Namespace, budget: Any, ste
 
     from benchmarks.models import lm_loss
     from lightning_remat.errors import RematInfeasibleError
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     model, optimizer, planner = _build(method, batch, args, budget)
     g = torch.Generator().manual_seed(dist.get_rank())

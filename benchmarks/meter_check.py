@@ -3,7 +3,7 @@ convolutions), the same with oneDNN off (im2col column buffers) and a GPT's (att
 
 For each step, in a fresh child at the allocator's edge (:mod:`benchmarks.edge`): one warm-up
 step, then the peak of one step at the edge, then the meter's reading of the same step:
-``lightning_remat.meter.peak_bytes`` (every allocation c10's CPU allocator reports, from
+``lightning_remat.measure.peak.peak_bytes`` (every allocation c10's CPU allocator reports, from
 the autograd profiler's memory events) and, for comparison, ``StorageMeter`` (the tensors that
 pass through dispatch: the meter before it counted allocations).
 
@@ -39,7 +39,8 @@ def _child(model_name: str, onednn: bool) -> dict[str, int]:
 
     from benchmarks.edge import edge_peak_bytes
     from benchmarks.run import SIZES, build, step_loss
-    from lightning_remat.meter import StorageMeter, peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
+    from lightning_remat.measure.storage import StorageMeter
 
     batch, size = SIZES["cpu"][model_name]
     model, x, _ = build(model_name, "cpu", batch, size)

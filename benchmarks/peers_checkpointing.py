@@ -5,7 +5,7 @@ peer's measured peak, in the same harness and the same run.
 Models: the zoo's timm ViT, Swin and EfficientNet (tests/test_zoo_vision.py, random init)
 and a GPT-2 (4 layers, ``n_embd`` 256, 256 tokens, batch 2). Harness as in
 ``benchmarks/run.py``: every figure from a fresh process; the peak is one step's peak above
-what was live before it (``lightning_remat.meter.peak_bytes``, gradients freed before the
+what was live before it (``lightning_remat.measure.peak.peak_bytes``, gradients freed before the
 step so allocating them is part of it); the time is the median of ``--repeats`` steps after
 a warm-up, alternating with plain steps in the same process (*time/plain* is the ratio of
 the medians). Our smallest feasible budget is ``min_budget(graph, "auto")`` on the graph
@@ -82,7 +82,7 @@ def measure(name: str, method: str, budget: int | None, repeats: int) -> dict[st
     import torch
 
     import lightning_remat
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
     from lightning_remat.solvers import min_budget
 
     model, x = build(name)

@@ -126,7 +126,7 @@ def batch_search_costs(name: str) -> dict[str, Any]:
 
     import lightning_remat
     from lightning_remat.lightning.synthetic import SyntheticTask
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     batch, size = SIZES["cpu"][name]
     model, x, _ = build(name, "cpu", batch, size)

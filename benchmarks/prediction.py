@@ -75,7 +75,7 @@ def worker(name: str, device: str) -> dict:
 
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
     from lightning_remat.solvers.scoring import make_plan
     from lightning_remat.solvers.simulate import simulate
 

@@ -210,7 +210,7 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
     that child, and returns that figure alone."""
     import torch
 
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     device = torch.device(device_name)
     kind = "cuda" if device.type == "cuda" else "cpu"

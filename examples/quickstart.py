@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_remat
 from lightning_remat.budget import format_bytes
-from lightning_remat.meter import peak_bytes
+from lightning_remat.measure.peak import peak_bytes
 
 
 class SmallCNN(pl.LightningModule):

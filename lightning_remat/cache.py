@@ -77,7 +77,7 @@ class PlanBasis:
     world_size: str = "1"
     """The number of processes training together (1 without torch.distributed)."""
     sharding: str = "none"
-    """How the module's parameters are sharded (:func:`~lightning_remat.graph.trace.sharding_of`):
+    """How the module's parameters are sharded (:func:`~lightning_remat.graph.sharding.sharding_of`):
     a sharded unit's parameters, gradients and gather buffers are part of the profile."""
 
     def digest(self) -> str:

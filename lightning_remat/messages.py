@@ -16,7 +16,7 @@ broadcasts is one of the messages below, each a frozen dataclass:
   other ranks wait in the broadcast and must not hang).
 
 The batch-size search across ranks sends its own (rank zero's trials and result:
-:class:`~lightning_remat.tuning.TrialAt` and the rest, beside the search they carry).
+:class:`~lightning_remat.tuning.ranks.TrialAt` and the rest, beside the search they carry).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
 
 if TYPE_CHECKING:  # only annotations: rendering a plan (the CLI's solve) loads no Optuna or torch
-    from lightning_remat.tuning import SearchResult
+    from lightning_remat.tuning.search import SearchResult
 
 __all__ = [
     "TAG", "BatchSizeReport", "RunReport", "format_plan", "read_run", "timeline_figure",

@@ -16,12 +16,12 @@ from pytorch_lightning.callbacks import BatchSizeFinder
 from pytorch_lightning.tuner import batch_size_scaling
 from torch import nn
 
-from lightning_remat.callbacks import RematBatchSizeFinder
+from lightning_remat import RematBatchSizeFinder
 from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.lightning.batch_size import find_max_batch_size
 from lightning_remat.lightning.trial import LightningTrial, SearchSettings, resize_batch
 from lightning_remat.planner import PlanSettings
-from lightning_remat.tuning import (
+from lightning_remat.tuning.search import (
     BisectionSampler,
     TrialResult,
     bracket,
@@ -171,7 +171,7 @@ def test_resumes_an_interrupted_sqlite_study_without_repeating_a_trial(tmp_path,
 ])
 def test_oom_or_infeasible_trial_does_not_kill_the_search(error, monkeypatch):
     freed: list[int] = []
-    monkeypatch.setattr("lightning_remat.tuning.free_device_memory", lambda: freed.append(1))
+    monkeypatch.setattr("lightning_remat.tuning.search.free_device_memory", lambda: freed.append(1))
 
     def trial(batch_size: int) -> TrialResult:
         if batch_size > 21:
@@ -637,7 +637,7 @@ def test_the_study_is_named_after_what_the_answer_depends_on():
     """A resumed search finds its study when the model is the same (a new instance with the
     same layers), and not when the model changed: a layer's width, its dtype, a Hugging
     Face config's attention implementation, the precision or the ranks."""
-    from lightning_remat.tuning import study_name_for
+    from lightning_remat.tuning.study import study_name_for
 
     def name(model, **kwargs):
         return study_name_for(model, torch.device("cpu"), 2**30, "auto", "3x32x32", **kwargs)

@@ -14,15 +14,13 @@ from hypothesis import strategies as st
 import lightning_remat.lightning.batch_size as batch_size_mod
 import lightning_remat.lightning.trial as trial_mod
 import lightning_remat.planner as planner_mod
-from lightning_remat import RematStrategy
-from lightning_remat.callbacks import RematBatchSizeFinder
-from lightning_remat.tuning import (
-    next_batch_size,
+from lightning_remat import RematBatchSizeFinder, RematStrategy
+from lightning_remat.tuning.predict import (
     predict_largest,
     predict_largest_by_min_budget,
     predict_largest_by_projection,
-    run_search,
 )
+from lightning_remat.tuning.search import next_batch_size, run_search
 from tests.test_batch_size import SizedConvNet, brute_force, threshold_trial
 
 

@@ -20,7 +20,8 @@ from lightning_remat.errors import SearchStoppedError
 from lightning_remat.lightning.batch_size import RematBatchSizeFinder
 from lightning_remat.lightning.fsdp import RematFSDPStrategy
 from lightning_remat.lightning.strategy import RematDDPStrategy
-from lightning_remat.tuning import TrialResult, combine_trials, run_search_across_ranks
+from lightning_remat.tuning.ranks import combine_trials, run_search_across_ranks
+from lightning_remat.tuning.search import TrialResult
 from tests.distributed import run_ranks
 from tests.lit_models import trainer_kwargs
 from tests.test_ddp_shapes import ThreadRanks

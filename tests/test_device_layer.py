@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_remat import meter
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
+from lightning_remat.measure import peak as measured
 from lightning_remat.streams import SimulatedStreams, streams_for
 
 
@@ -28,7 +28,7 @@ class FakeCudaCounters:
             raise AssertionError("a device synchronisation")
 
         monkeypatch.setattr(torch.cuda, "synchronize", fail)
-        monkeypatch.setattr(meter, "is_cuda", lambda device: True)
+        monkeypatch.setattr(measured, "is_cuda", lambda device: True)
         for name, value in (("memory_allocated", lambda: self.allocated), ("max_memory_allocated", lambda: self.peak),
                             ("memory_reserved", lambda: 8000), ("reset_peak_memory_stats", lambda: None)):
             monkeypatch.setattr(torch.cuda, name, self._reader(name, value))

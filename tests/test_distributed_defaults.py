@@ -206,12 +206,16 @@ def trial_with_uneven_budgets(rank: int, out: Path) -> None:
 
     from pytorch_lightning.utilities.exceptions import _TunerExitException
 
+    import lightning_remat.device as device_module
     import lightning_remat.lightning.trial as trial_module
     from lightning_remat.planner import PlanSettings
 
     class Probe(pl.Callback):
         def on_fit_start(self, trainer, pl_module):
-            trial_module.default_budget = lambda device: 10**9 if rank == 0 else 50_000
+            # The free memory each rank reads: for the plan (the optimizer's state in place)
+            # and for the verdict.
+            device_module.default_budget = trial_module.default_budget = (
+                lambda device: 10**9 if rank == 0 else 50_000)
             steps = []
             pl_module.on_before_backward = lambda loss: steps.append(1)  # a step's backward ran
             settings = trial_module.SearchSettings(

@@ -52,9 +52,9 @@ def test_an_element_of_an_ops_own_outputs_is_no_view_and_a_split_is():
     assert pieces["topk.default"] is None
     assert pieces["split.Tensor"] is not None and pieces["split.Tensor"].target.__name__ == "split.Tensor"
 
-    from lightning_remat.runtime.stages import _functionalize_inplace
+    from lightning_remat.runtime.inplace import functionalize_inplace
     stage = {n.name: 0 for n in gm.graph.nodes}
-    assert _functionalize_inplace(gm.graph, stage, {"div_"}, gm) == ["div_"]
+    assert functionalize_inplace(gm.graph, stage, {"div_"}, gm) == ["div_"]
     gm.recompile()
     expected = Router()(x.clone())
     for got, want in zip(gm(x), expected):

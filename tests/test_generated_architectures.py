@@ -151,7 +151,7 @@ def check_model(seed: int) -> list[dict]:
     from lightning_remat import RematInfeasibleError, apply_plan
     from lightning_remat.graph.profile import profile_module
     from lightning_remat.graph.trace import trace_module
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
     from lightning_remat.solvers import min_budget, solve
     from lightning_remat.solvers.policy import plain_peak_bytes
 

@@ -16,7 +16,10 @@ FLOW: list[tuple[str, ...]] = [
     ("budget",),
     ("errors",),
     ("inputs",),
-    ("device", "meter", "streams", "imports"),
+    ("device", "streams", "imports"),
+    ("measure.allocations", "measure.storage"),
+    ("measure.peak",),
+    ("measure.timeline",),
     ("graph.ir",),
     ("graph.ops",),
     ("graph.calls",),
@@ -24,7 +27,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.meaning",),
     ("graph.functions",),
     ("graph.export",),
-    ("graph.vertices",),
+    ("graph.vertices", "graph.sharding"),
     ("graph.trace",),
     ("graph.instruments",),
     ("graph.opmeter",),
@@ -32,6 +35,7 @@ FLOW: list[tuple[str, ...]] = [
     ("graph.scale",),
     ("solvers.plan",),
     ("solvers.schedule",),
+    ("solvers.step_memory",),
     ("solvers.simulate",),
     ("solvers.stage_costs", "solvers.scoring"),
     ("solvers.feng.linear", "solvers.feng.segments", "solvers.kusumoto.bits",
@@ -43,8 +47,10 @@ FLOW: list[tuple[str, ...]] = [
     ("solvers",),
     ("solvers.policy",),
     ("runtime.stepcheck",),
-    ("runtime.offload", "runtime.stages", "runtime.hooked"),
+    ("runtime.inplace",),
+    ("runtime.offload", "runtime.stages", "runtime.hooked", "runtime.contexts"),
     ("runtime.module",),
+    ("runtime.overhead",),
     ("cache",),
     ("messages",),
     ("step_budget",),
@@ -52,7 +58,9 @@ FLOW: list[tuple[str, ...]] = [
     ("planner.first_step", "planner.stores"),
     ("planner",),
     ("planner.api",),
-    ("tuning",),
+    ("tuning.study",),
+    ("tuning.search",),
+    ("tuning.predict", "tuning.ranks"),
     ("report",),
     ("registration",),
     ("lightning.memory_timeline", "lightning.synthetic"),
@@ -63,16 +71,15 @@ FLOW: list[tuple[str, ...]] = [
     ("unified",),  # the same modules for lightning.pytorch: each runs its twin's source
     ("unified.memory_timeline", "unified.synthetic", "unified.strategy", "unified.fsdp",
      "unified.trial", "unified.batch_size"),
-    ("callbacks",),
     ("cli",),
     ("",),  # lightning_remat/__init__.py: the public API
 ]
 """The stages of the flow, upstream first: a module may import from its own stage or above."""
 
-EMPTY_PACKAGES = ("graph", "runtime", "lightning")
+EMPTY_PACKAGES = ("graph", "runtime", "lightning", "tuning", "measure")
 """Package ``__init__`` files that only name their folder (they import nothing)."""
 
-LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "meter", "imports", "graph", "solvers", "runtime",
+LIGHTNING_FREE = ("budget", "errors", "inputs", "device", "measure", "imports", "graph", "solvers", "runtime",
                   "cache", "messages", "step_budget", "planner", "tuning", "report", "registration")
 """Modules that must work without Lightning (the solvers are algorithms over the graph IR)."""
 

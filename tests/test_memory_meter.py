@@ -1,6 +1,6 @@
 import torch
 
-from lightning_remat.meter import peak_bytes
+from lightning_remat.measure.peak import peak_bytes
 
 
 def test_known_allocation_reads_right_on_cpu():
@@ -29,7 +29,7 @@ def test_nothing_allocated_reads_near_zero():
 def test_an_ops_internal_buffers_count():
     """A convolution through im2col (oneDNN off) allocates its column buffer inside the op:
     never a tensor the caller sees, but memory the step holds."""
-    from lightning_remat.meter import StorageMeter
+    from lightning_remat.measure.storage import StorageMeter
 
     conv = torch.nn.Conv2d(16, 16, 3, padding=1)
     x = torch.randn(2, 16, 64, 64)
@@ -58,10 +58,10 @@ def test_the_profile_charges_an_ops_internal_buffers_to_it_as_workspace():
 def test_a_running_profiler_leaves_the_storage_meter_after_one_warning():
     import warnings
 
-    from lightning_remat import meter
+    from lightning_remat.measure import peak as measured
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        meter._warned_busy = False
+        measured._warned_busy = False
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = peak_bytes(lambda: torch.ones(1024 * 1024))
@@ -76,7 +76,8 @@ def test_a_log_inside_a_log_reads_both():
     meter's fallback."""
     import warnings
 
-    from lightning_remat.meter import AllocationLog, paused, step_meter
+    from lightning_remat.measure.allocations import AllocationLog, paused
+    from lightning_remat.measure.peak import step_meter
 
     mib = 2**20
     with warnings.catch_warnings():

@@ -125,7 +125,7 @@ def test_the_plans_extra_time_counts_the_executors_own_time_measured_on_the_devi
     these times where the step measured otherwise (``tests/test_first_step_time.py``), is
     taken as on time here: on a loaded machine it can find the step slower."""
     monkeypatch.setattr(first_step_module, "time_error", lambda predicted, measured: None)
-    from lightning_remat.runtime.module import measure_recompute_overhead
+    from lightning_remat.runtime.overhead import measure_recompute_overhead
     from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.scoring import recomputed_seconds
 
@@ -434,7 +434,7 @@ def test_the_budget_holds_on_a_small_cnn_with_inplace_relus(solver: str) -> None
     plain: the measured peak of a step (two warm-up steps first, gradients allocated in the
     step) is within the budget the plan was accepted for. A solver that refuses 70% is held
     to the smallest budget it names instead."""
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     torch.manual_seed(0)
     model = _small_cnn()
@@ -474,7 +474,7 @@ def test_the_budget_holds_on_a_transformer_whose_linears_view_their_inputs(budge
 def _assert_within_budget_and_prediction(model: nn.Module, remat_model: RematModule, x: torch.Tensor) -> None:
     """After two warm-up steps, a step's measured peak (gradients allocated in it, the loss
     the sum the plan was told of) is within the budget and within 3% of the prediction."""
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     def step() -> None:
         remat_model(x).sum().backward()
@@ -522,7 +522,7 @@ def test_the_budget_holds_with_the_models_own_loss() -> None:
     also holds the budget; told, the model of the step holds less (the plan is tighter)."""
     import torch.nn.functional as F
 
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     targets = torch.randint(0, 500, (8 * 64,))
 
@@ -563,7 +563,7 @@ def test_gradients_kept_between_steps_are_resident_not_new() -> None:
     """A loop that keeps its gradients (``zero_grad(set_to_none=False)``): the plan is made
     for that run, where the gradients are resident before the step, so a 50% budget of that
     run's plain peak is accepted and the measured peak of such a step is within it."""
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(20) for m in (nn.Linear(256, 256), nn.ReLU())],

@@ -286,7 +286,7 @@ def test_a_reader_of_only_the_shape_keeps_nothing_alive():
 
 _REAL_MLP = r"""
 import json
-from lightning_remat.meter import peak_bytes
+from lightning_remat.measure.peak import peak_bytes
 import torch
 from torch import nn
 from lightning_remat.graph.profile import profile_module

@@ -10,7 +10,7 @@ import torch
 
 import lightning_remat  # noqa: F401  (registers the strategy)
 from lightning_remat.lightning.strategy import RematStrategy, forward_routed
-from lightning_remat.meter import peak_bytes
+from lightning_remat.measure.peak import peak_bytes
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
 SIZE = 16

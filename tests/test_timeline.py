@@ -7,11 +7,12 @@ import torch
 from test_simulate import run_isolated
 from torch import nn
 
-from lightning_remat.meter import record_timeline
+from lightning_remat.measure.timeline import record_timeline
 
 _RECORD = r"""
 import json
-from lightning_remat.meter import peak_bytes, record_timeline
+from lightning_remat.measure.peak import peak_bytes
+from lightning_remat.measure.timeline import record_timeline
 import torch
 import torch.fx
 from torch import nn

@@ -136,7 +136,7 @@ def test_a_percentage_is_of_the_plain_loops_measured_peak() -> None:
     from torch import nn
 
     from lightning_remat import remat
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 256))
@@ -214,7 +214,7 @@ def test_the_first_step_over_its_prediction_is_planned_again() -> None:
 
     import torch
 
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
 
     excess = 160 * 1024
     measured: list[int] = []
@@ -288,7 +288,7 @@ def test_a_first_step_still_over_its_budget_is_refused_with_a_budget_that_is_acc
     import torch
 
     from lightning_remat.errors import RematInfeasibleError
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
     from lightning_remat.planner import Planner, PlanSettings
     from lightning_remat.planner.first_step import STEP_REPLANS
     from lightning_remat.solvers.policy import plain_peak_bytes
@@ -339,7 +339,7 @@ def test_modules_called_in_turn_hold_their_shared_budget_at_the_meter() -> None:
     import torch
     from torch import nn
 
-    from lightning_remat.meter import peak_bytes
+    from lightning_remat.measure.peak import peak_bytes
     from lightning_remat.planner import Planner, PlanSettings
     from lightning_remat.solvers.policy import plain_peak_bytes
     from lightning_remat.step_budget import StepBudget

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_remat import remat
 from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
-from lightning_remat.meter import peak_bytes
+from lightning_remat.measure.peak import peak_bytes
 from lightning_remat.solvers import SOLVERS, min_budget, solve
 from lightning_remat.solvers.policy import plain_peak_bytes
 from tests.hf_architectures import one_thread  # noqa: F401 - autouse fixture

@@ -8,7 +8,7 @@ For each, at 50% of its plain peak (``remat(model, x, "50%")``):
 - the plan is accepted;
 - one training step gives gradients and buffers (BatchNorm running statistics) bit-identical
   to a plain deep copy's;
-- the measured peak of a step (``lightning_remat.meter``, gradients allocated in it) is
+- the measured peak of a step (``lightning_remat.measure``, gradients allocated in it) is
   within the budget;
 
 and on the captured graph every registered solver keeps its contract
@@ -35,7 +35,7 @@ torchvision = pytest.importorskip(
 
 from lightning_remat import RematModule, remat  # noqa: E402
 from lightning_remat.graph.trace import default_loss  # noqa: E402
-from lightning_remat.meter import peak_bytes  # noqa: E402
+from lightning_remat.measure.peak import peak_bytes  # noqa: E402
 from lightning_remat.solvers import SOLVERS  # noqa: E402
 from tests.test_solver_contract import BANDWIDTH_BYTES_PER_S  # noqa: E402
 from tests.test_solver_property import check_any_solver  # noqa: E402

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from lightning_remat.meter import AllocationLog, StepMeter, tensors_in
+from lightning_remat.measure.allocations import AllocationLog
+from lightning_remat.measure.peak import StepMeter
+from lightning_remat.measure.timeline import tensors_in
 
 __all__ = ["INPUT", "BackwardTimer", "Clock", "OpRecord", "Workspace", "output_bytes", "storage_of"]
 
@@ -117,7 +119,7 @@ class Workspace:
     """Peak bytes during an op above max(before, after): the op's temporary workspace.
 
     CUDA: the caching allocator's peak counter, read as the op ends. CPU: the meter the step
-    runs under (docs/design.md section 6): an :class:`~lightning_remat.meter.AllocationLog`,
+    runs under (docs/design.md section 6): an :class:`~lightning_remat.measure.allocations.AllocationLog`,
     which sees every allocation, op-internal buffers included, and gives the readings once
     it has exited (:meth:`settle`); a ``StorageMeter`` (another profiler running) sees only
     the tensors an op creates and frees before it returns. Without a meter (the timed steps,

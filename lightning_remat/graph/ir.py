@@ -87,9 +87,10 @@ they round-trip through are one format, so they stay in one module.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,24 @@ NODE_KEYS = ("id", "op", "mem", "saved", "t_fwd", "t_bwd", "ws_fwd", "ws_bwd")
 _BYTE_KEYS = ("mem", "saved", "ws_fwd", "ws_bwd")
 _TIME_KEYS = ("t_fwd", "t_bwd")
 
+
+
+def stable_topological_order(successors: Mapping[Any, Iterable[Any]], indegree: dict[Any, int],
+                             rank: Callable[[Any], Any]) -> list[Any]:
+    """Kahn's algorithm, stable: of the items ready at once, the least ``rank`` first.
+    ``indegree`` (each item's count of predecessors) is used up; an item left out of the
+    order lies on a cycle (its count stays above 0)."""
+    ready = [(rank(i), i) for i, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[Any] = []
+    while ready:
+        _, item = heapq.heappop(ready)
+        order.append(item)
+        for w in successors[item]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                heapq.heappush(ready, (rank(w), w))
+    return order
 
 @dataclass
 class Node:
@@ -421,18 +440,7 @@ class Graph:
             indegree[v] += 1
             succ[u].append(v)
             pred[v].append(u)
-        import heapq
-
-        ready = [(position[i], i) for i, d in indegree.items() if d == 0]
-        heapq.heapify(ready)
-        order: list[str] = []
-        while ready:
-            _, nid = heapq.heappop(ready)
-            order.append(nid)
-            for w in succ[nid]:
-                indegree[w] -= 1
-                if indegree[w] == 0:
-                    heapq.heappush(ready, (position[w], w))
+        order = stable_topological_order(succ, indegree, position.__getitem__)
         if len(order) != len(self.nodes):
             stuck = sorted(i for i, d in indegree.items() if d > 0)
             raise ValueError(f"the graph has a cycle through {stuck[:8]}")

@@ -32,7 +32,8 @@ from lightning_remat.graph.instruments import (
 )
 from lightning_remat.graph.trace import Traced
 from lightning_remat.graph.vertices import is_getitem
-from lightning_remat.meter import StepMeter, tensors_in
+from lightning_remat.measure.peak import StepMeter
+from lightning_remat.measure.timeline import tensors_in
 
 __all__ = ["NodeProfiler", "OpMeter", "SubmoduleProfiler"]
 

@@ -58,16 +58,18 @@ from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.instruments import Clock, OpRecord, output_bytes, storage_of
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.opmeter import NodeProfiler, OpMeter, SubmoduleProfiler
+from lightning_remat.graph.sharding import call_through
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
     as_tuple,
-    call_through,
     loop_loss,
     trace_module,
 )
 from lightning_remat.graph.vertices import ValueRecorder
-from lightning_remat.meter import StepMeter, mapped_buffer_bytes, peak_bytes, step_meter, tensors_in
+from lightning_remat.measure.allocations import mapped_buffer_bytes
+from lightning_remat.measure.peak import StepMeter, peak_bytes, step_meter
+from lightning_remat.measure.timeline import tensors_in
 
 __all__ = ["profile_module"]
 
@@ -188,7 +190,7 @@ def profile_module(
     (:class:`~lightning_remat.graph.ir.GraphMeta`, whose fields :mod:`lightning_remat.graph.ir`
     documents) keeps the tracer's fields and sets ``batch_size``, ``device``, ``dtype``,
     ``input_bytes``, ``plain_peak_bytes`` and ``loss_peak_bytes`` (measured with
-    :func:`~lightning_remat.meter.peak_bytes`; None in safe mode), ``step_seconds``,
+    :func:`~lightning_remat.measure.peak.peak_bytes`; None in safe mode), ``step_seconds``,
     ``batch_dependent``, ``saved_refs``, ``saved_input_bytes``, ``aliases``,
     ``requires_grad``, ``resident_views`` and ``safe``.
 

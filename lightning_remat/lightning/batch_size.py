@@ -15,7 +15,7 @@ names an attribute of the model, its ``hparams`` or the datamodule (found with L
 written back with ``lightning_setattr``.
 
 Under ``remat_ddp`` and ``remat_fsdp`` the search spans the ranks
-(:func:`~lightning_remat.tuning.run_search_across_ranks`): one study on rank zero, every
+(:func:`~lightning_remat.tuning.ranks.run_search_across_ranks`): one study on rank zero, every
 rank runs each trial's steps, a size fits only when it fits on every rank (the worst peak
 over ranks), and every rank writes the same answer, so every rank's dataloader gets it.
 Lightning's ``BatchSizeFinder`` refuses distributed strategies because the ranks would have
@@ -62,26 +62,24 @@ from lightning_remat.lightning.trial import (
     SearchSettings,
     collectives_bounded,
 )
+from lightning_remat.measure.peak import collector_settled
 from lightning_remat.messages import DistributedRanks, world_size
-from lightning_remat.meter import collector_settled
 from lightning_remat.planner import PlanSettings
 from lightning_remat.planner.settings import planning_summary
 from lightning_remat.report import BatchSizeReport
 from lightning_remat.solvers import SOLVERS, min_budget, simulate, solve
 from lightning_remat.solvers.policy import solver_options
 from lightning_remat.solvers.scoring import model_margin
-from lightning_remat.tuning import (
+from lightning_remat.tuning.predict import predict_largest, predict_largest_by_projection
+from lightning_remat.tuning.ranks import run_search_across_ranks
+from lightning_remat.tuning.search import (
     SearchResult,
     TrialFn,
     TrialResult,
     check_search_args,
-    default_storage,
-    predict_largest,
-    predict_largest_by_projection,
     run_search,
-    run_search_across_ranks,
-    study_name_for,
 )
+from lightning_remat.tuning.study import default_storage, study_name_for
 
 
 def _sample_shape(batch: Any) -> str:
@@ -132,7 +130,7 @@ class RematBatchSizeFinder(Callback):
             :class:`~lightning_remat.errors.SearchStoppedError`. Raise it where ranks
             legitimately wait longer for each other within one step.
 
-    After the search, ``report`` holds the :class:`~lightning_remat.tuning.BatchSizeReport`
+    After the search, ``report`` holds the :class:`~lightning_remat.report.BatchSizeReport`
     (``print(finder.report)`` shows the table) and ``optimal_batch_size`` the size written.
 
     Example::
@@ -259,7 +257,7 @@ class RematBatchSizeFinder(Callback):
         """The largest size predicted to fit, from the graphs the shape family gives each
         size (None without a family): plain training by the plain peak fitted to the
         profiles, a solver by where its smallest budget on the derived graphs crosses the
-        budget (:func:`~lightning_remat.tuning.predict_largest_by_projection`)."""
+        budget (:func:`~lightning_remat.tuning.predict.predict_largest_by_projection`)."""
         if not isinstance(trial, LightningTrial) or not trial.family:
             return None
         budget = settings.budget_bytes
@@ -405,23 +403,21 @@ def find_max_batch_size(
     Examples::
 
         >>> import tempfile
-        >>> import pytorch_lightning as pl
         >>> import torch
         >>> from torch import nn
         >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> import pytorch_lightning as pl
         >>> from lightning_remat import RematStrategy, find_max_batch_size
         >>> class Regressor(pl.LightningModule):
         ...     def __init__(self, batch_size=16):
         ...         super().__init__()
         ...         self.batch_size = batch_size  # the search writes the size it finds here
         ...         self.net = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())])
-        ...     def forward(self, x):
-        ...         return self.net(x)
         ...     def training_step(self, batch, batch_idx):
-        ...         x, y = batch
-        ...         return nn.functional.mse_loss(self(x), y)
+        ...         inputs, targets = batch
+        ...         return nn.functional.mse_loss(self.net(inputs), targets)
         ...     def configure_optimizers(self):
-        ...         return torch.optim.SGD(self.parameters(), lr=0.01)
+        ...         return torch.optim.SGD(self.net.parameters(), lr=0.01)
         ...     def train_dataloader(self):
         ...         data = TensorDataset(torch.randn(1024, 32), torch.randn(1024, 32))
         ...         return DataLoader(data, batch_size=self.batch_size)

@@ -102,21 +102,14 @@ class RematFSDPStrategy(RematHooks, ModelParallelStrategy):
 
     def __init__(
         self,
-        memory_budget: int | float | str | None = None,
-        solver: str = "auto",
-        profile_steps: int = 3,
-        target: str | None = None,
-        offload: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        safe_profile: bool = False,
+        *args: Any,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+        super().__init__(*args, data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          **kwargs)
-        self._remat_init(memory_budget, solver, profile_steps, target, offload, cache_dir, safe_profile)
         self._start_method = start_method
         self._plan_hook: Any = None
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_remat import meter
+from lightning_remat.measure import peak as measured
 from lightning_remat.report import TAG, format_plan, timeline_figure
 
 __all__ = ["MemoryTimelineLogger"]
@@ -52,8 +52,8 @@ class MemoryTimelineLogger(pl.Callback):
         self.timeline = timeline
         self._logged_plans: set[int] = set()
         self._t0 = 0.0
-        self._cuda_peak: meter.CudaPeak | None = None
-        self._meter: meter.StepMeter | None = None
+        self._cuda_peak: measured.CudaPeak | None = None
+        self._meter: measured.StepMeter | None = None
         self._layout_written = False
         self._logging = False
         self._pending: Any = None
@@ -78,12 +78,12 @@ class MemoryTimelineLogger(pl.Callback):
         if not self._logging:
             return  # counters are read on logging steps only
         device = pl_module.device
-        if meter.is_cuda(device):
-            self._cuda_peak = meter.CudaPeak(device, synchronize=False)
+        if measured.is_cuda(device):
+            self._cuda_peak = measured.CudaPeak(device, synchronize=False)
             self._cuda_peak.start()
         else:  # every allocation the step makes (docs/design.md section 6)
             self._stop_meter()
-            self._meter = meter.step_meter(torch.device(device).type)
+            self._meter = measured.step_meter(torch.device(device).type)
             self._meter.__enter__()
         self._t0 = time.perf_counter()
 
@@ -110,7 +110,7 @@ class MemoryTimelineLogger(pl.Callback):
                 self._log_new_plan(trainer)
             return
         device = pl_module.device
-        if meter.is_cuda(device):
+        if measured.is_cuda(device):
             peak = self._cuda_peak.stop()
             reserved = torch.cuda.memory_reserved(device)  # CUDA only
         else:

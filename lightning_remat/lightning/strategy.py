@@ -110,16 +110,20 @@ class RematHooks:
     """Without ``target``, plan the modules the first training step runs (a strategy that
     plans one module of its own choosing sets False and overrides :meth:`target_module`)."""
 
-    def _remat_init(
+    def __init__(
         self,
-        memory_budget: int | float | str | None,
-        solver: str,
-        profile_steps: int,
-        target: str | None,
-        offload: bool,
-        cache_dir: str | os.PathLike | None,
-        safe_profile: bool,
+        memory_budget: int | float | str | None = None,
+        solver: str = "auto",
+        profile_steps: int = 3,
+        target: str | None = None,
+        offload: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        safe_profile: bool = False,
+        **kwargs: Any,
     ) -> None:
+        """The planning arguments of every remat strategy (:class:`RematStrategy` documents
+        them); ``kwargs`` go to the Lightning strategy the mixin is placed before."""
+        super().__init__(**kwargs)
         try:
             self.remat_settings = PlanSettings(memory_budget, solver, profile_steps, safe_profile, offload)
         except ValueError as exc:
@@ -439,22 +443,10 @@ class RematStrategy(RematHooks, SingleDeviceStrategy):
 
     strategy_name = "remat"
 
-    def __init__(
-        self,
-        memory_budget: int | float | str | None = None,
-        solver: str = "auto",
-        profile_steps: int = 3,
-        target: str | None = None,
-        offload: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        safe_profile: bool = False,
-        device: str | torch.device | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(device=device or "cpu", **kwargs)
+    def __init__(self, *args: Any, device: str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, device=device or "cpu", **kwargs)
         self._device_given = device is not None
         self.parallel_devices: list[torch.device] = []  # filled in by the Trainer
-        self._remat_init(memory_budget, solver, profile_steps, target, offload, cache_dir, safe_profile)
 
     @property
     @override
@@ -470,18 +462,4 @@ class RematDDPStrategy(RematHooks, DDPStrategy):
     plus DDPStrategy's."""
 
     strategy_name = "remat_ddp"
-
-    def __init__(
-        self,
-        memory_budget: int | float | str | None = None,
-        solver: str = "auto",
-        profile_steps: int = 3,
-        target: str | None = None,
-        offload: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        safe_profile: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._remat_init(memory_budget, solver, profile_steps, target, offload, cache_dir, safe_profile)
 

@@ -5,7 +5,7 @@ A trial at batch size ``b`` is what ``Trainer(strategy=RematStrategy(...))`` wou
 (:class:`~lightning_remat.planner.Planner`), then run ``steps_per_trial`` training steps as
 Lightning's loop runs them (the strategy's ``training_step``, ``backward`` and optimizer
 step, so the DDP wrapper, the precision plugin with its GradScaler, and gradient clipping
-take part) and measure their peak (:func:`~lightning_remat.meter.peak_bytes`). A trial is
+take part) and measure their peak (:func:`~lightning_remat.measure.peak.peak_bytes`). A trial is
 feasible when a plan exists, nothing runs out of memory and the measured peak is within the
 budget; a reading no training step can have is a :class:`MeasurementError`, never a fit. With
 solver ``"plain"`` (no rematerialization) the model's own forward runs: plain training's
@@ -59,11 +59,11 @@ from lightning_remat.graph.scale import check_family, derive_graph
 from lightning_remat.graph.trace import EXPORT, Traced, default_loss, trace_module
 from lightning_remat.graph.vertices import local_bytes
 from lightning_remat.lightning.strategy import RematHooks, forward_routed
+from lightning_remat.measure.peak import peak_bytes
 from lightning_remat.messages import DistributedRanks, world_size
-from lightning_remat.meter import peak_bytes
 from lightning_remat.planner import Planned, Planner, PlanSettings
-from lightning_remat.runtime.module import measure_recompute_overhead
-from lightning_remat.tuning import TrialResult
+from lightning_remat.runtime.overhead import measure_recompute_overhead
+from lightning_remat.tuning.search import TrialResult
 
 PLAIN = "plain"
 """The solver name of plain training: the trial runs the model's own forward, unplanned."""

@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_remat import meter
 from lightning_remat.budget import format_bytes
 from lightning_remat.cache import PlanBasis, PlanCache, StoredPlan
 from lightning_remat.device import device_name, module_device, move_to_device
@@ -58,11 +57,10 @@ from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.meaning import StateRead, guard_owners, read_state
 from lightning_remat.graph.profile import profile_module
+from lightning_remat.graph.sharding import sharded_gradients_kept, sharding_of
 from lightning_remat.graph.trace import (
     CHILDREN,
     Traced,
-    sharded_gradients_kept,
-    sharding_of,
     trace_module,
 )
 from lightning_remat.imports import sympy_imported
@@ -77,6 +75,7 @@ from lightning_remat.inputs import (
     stored_key,
     without_precision,
 )
+from lightning_remat.measure.allocations import paused
 from lightning_remat.messages import (
     Exchange,
     ProfileTogether,
@@ -101,9 +100,9 @@ from lightning_remat.runtime.module import (
     RematModule,
     Variant,
     build_traced_variant,
-    measure_recompute_overhead,
 )
 from lightning_remat.runtime.offload import measure_bandwidth
+from lightning_remat.runtime.overhead import measure_recompute_overhead
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.policy import (
     accepted_plan,
@@ -137,7 +136,7 @@ class Planner(FirstStepCheck, StoredPlans):
     memory the profile measures (``meta.loss_peak_bytes``; default: the loop people write,
     :func:`~lightning_remat.graph.trace.loop_loss` with the outputs held to the step's end).
     ``step_peak(step, device) -> bytes``: measures the metered first step of a plan off
-    CUDA (default: :func:`~lightning_remat.meter.peak_bytes`); ``check_first_step=False``:
+    CUDA (default: :func:`~lightning_remat.measure.peak.peak_bytes`); ``check_first_step=False``:
     measure none.
     ``tracer(module, args, kwargs) -> Traced``: the trace of a call (default:
     :func:`~lightning_remat.graph.trace.trace_module`; the batch-size search passes its
@@ -206,7 +205,7 @@ class Planner(FirstStepCheck, StoredPlans):
         self._timed: set[InputKey] = set()
         """Keys whose plan's time was checked (once per key)."""
         """Measures the metered step of a plan off CUDA: ``step_peak(step, device)`` runs
-        ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.meter.peak_bytes`)."""
+        ``step()`` and returns its peak bytes (None: :func:`~lightning_remat.measure.peak.peak_bytes`)."""
         self.check_first_step = check_first_step
         """Measure the first training step under each plan (the batch-size search, which
         measures its trials' steps itself, turns it off)."""
@@ -379,7 +378,7 @@ class Planner(FirstStepCheck, StoredPlans):
         try:
             # A step meter running around this call (the memory timeline's) would time the
             # profile under torch.profiler and keep the planner's own meter from starting.
-            with guard, sharded_gradients_kept(self.module), meter.paused():
+            with guard, sharded_gradients_kept(self.module), paused():
                 entry = self._plan(args, kwargs, key, exchange)
                 # The capture may have found attribute values to guard: the key holds them.
                 key = entry.key = self.key(args, kwargs)

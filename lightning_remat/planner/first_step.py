@@ -21,8 +21,8 @@ from lightning_remat.device import module_device
 from lightning_remat.errors import RematInfeasibleError, warn_caller
 from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.trace import CHILDREN, loop_loss
+from lightning_remat.measure.peak import CudaPeak, peak_bytes
 from lightning_remat.messages import world_size
-from lightning_remat.meter import CudaPeak, peak_bytes
 from lightning_remat.planner.settings import Planned
 from lightning_remat.runtime.module import Variant, build_traced_variant
 from lightning_remat.runtime.stepcheck import (

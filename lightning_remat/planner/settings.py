@@ -18,13 +18,13 @@ from lightning_remat.graph.effects import preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import Traced
 from lightning_remat.inputs import InputKey
-from lightning_remat.meter import TimelinePoint, record_timeline
+from lightning_remat.measure.timeline import TimelinePoint, record_timeline
 from lightning_remat.runtime.module import RematModule, Variant
 from lightning_remat.runtime.stepcheck import StepTimes
 from lightning_remat.solvers import SOLVERS, simulate
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.policy import plain_peak_bytes
-from lightning_remat.solvers.simulate import Timeline
+from lightning_remat.solvers.step_memory import Timeline
 
 __all__ = ["PlanSettings", "Planned", "Profiler", "StepTimer", "Tracer", "grads_resident",
            "parameter_dtypes", "planning_summary"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,6 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from lightning_remat.device import fsdp_unit_types
@@ -46,6 +44,12 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.trace import CHILDREN, EXPORT, Traced
 from lightning_remat.graph.vertices import fx_vertex_graph
 from lightning_remat.imports import sympy_imported
+from lightning_remat.runtime.contexts import (
+    Contexts,
+    KeptOnce,
+    ProfilerRangesAside,
+    UncachedAutocast,
+)
 from lightning_remat.runtime.hooked import SubmoduleCheckpointing
 from lightning_remat.runtime.offload import OffloadHooks, plan_offload_bytes
 from lightning_remat.runtime.stages import (
@@ -62,7 +66,7 @@ from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import make_schedule
 
 __all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_traced_variant",
-           "build_variant", "measure_recompute_overhead"]
+           "build_variant"]
 
 OffloadHooksFactory = Callable[[int, Stage], contextlib.AbstractContextManager]
 """Called as ``factory(stage_index, stage)``; returns the context (saved-tensor hooks)
@@ -406,7 +410,7 @@ class RematModule(nn.Module):
             def plain() -> tuple[Any, Any]:
                 kept = once() if once is not None else None
                 forward: Any = kept.forward() if kept is not None else contextlib.nullcontext()
-                return forward, _Contexts(*([kept.recompute] if kept is not None else []),
+                return forward, Contexts(*([kept.recompute] if kept is not None else []),
                                           *([lambda: RestoreNormStatistics(self, program)] if restores else []))
 
             return plain
@@ -420,10 +424,10 @@ class RematModule(nn.Module):
             keep_forward = [kept.forward] if kept is not None else []
             keep_recompute = [kept.recompute] if kept is not None else []
             restore = [lambda: RestoreNormStatistics(self, program)] if restores else []
-            aside = [_ProfilerRangesAside] if sharded else []
-            return (_Contexts(_UncachedAutocast, region.outside, *keep_forward, lambda: forward, *aside),
-                    _Contexts(_UncachedAutocast, region.outside, *keep_recompute, *restore,
-                              lambda: _KeptOnce(recompute), *aside))
+            aside = [ProfilerRangesAside] if sharded else []
+            return (Contexts(UncachedAutocast, region.outside, *keep_forward, lambda: forward, *aside),
+                    Contexts(UncachedAutocast, region.outside, *keep_recompute, *restore,
+                              lambda: KeptOnce(recompute), *aside))
 
         return contexts
 
@@ -485,78 +489,6 @@ def _has_fsdp_units(module: nn.Module) -> bool:
     """Whether ``module`` holds a unit of torch FSDP (none without a process group)."""
     types = fsdp_unit_types()
     return bool(types) and any(isinstance(m, types) for m in module.modules())
-
-
-class _ProfilerRangesAside(TorchDispatchMode):
-    """Runs profiler-range ops (``profiler.*``) past the selective-checkpoint modes beneath
-    it. Those modes match the recomputation's ops to the forward's by count, and FSDP's
-    hooks open more ranges when a recomputed unit gathers its parameters again than in the
-    forward; a range computes nothing to keep or recompute."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "profiler":
-            with _disable_current_modes():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-class _UncachedAutocast(contextlib.ExitStack):
-    """Autocast as it is, with its cast cache off. Selective checkpointing replays the
-    forward's aten ops by position, and autocast casts a parameter once per region while its
-    cache is on: a forward inside a region that cast it already would run fewer casts than
-    its recomputation. Without the cache both cast every time (the same values)."""
-
-    def __enter__(self) -> _UncachedAutocast:
-        super().__enter__()
-        for device_type in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device_type):
-                self.enter_context(torch.autocast(
-                    device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False))
-        return self
-
-
-class _Contexts:
-    """The contexts ``factories`` make, entered together, made afresh at each entry:
-    checkpoint enters a stage's recomputation context once per backward that recomputes it,
-    twice when a double backward (``create_graph=True``, ``retain_graph=True``) passes the
-    stage again."""
-
-    def __init__(self, *factories: Callable[[], contextlib.AbstractContextManager]) -> None:
-        self.factories = factories
-        self.entered: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> None:
-        stack = contextlib.ExitStack()
-        with stack:
-            for make in self.factories:
-                stack.enter_context(make())
-            self.entered.append(stack.pop_all())
-
-    def __exit__(self, *exc: Any) -> bool:
-        try:
-            return bool(self.entered.pop().__exit__(*exc))
-        finally:
-            if not self.entered and not _graph_kept():
-                # No backward runs the stage again: what the contexts hold (the forward's
-                # kept values a recomputation stopped early left) goes now.
-                self.factories = ()
-
-
-def _graph_kept() -> bool:
-    """Whether the running backward keeps the graph (True outside a backward)."""
-    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
-
-
-def _KeptOnce(recompute: contextlib.AbstractContextManager) -> contextlib.AbstractContextManager:
-    """Selective checkpointing's recomputation mode, which hands the recomputation the
-    values kept from the forward, for a backward that frees the graph; for one that keeps
-    it the stage runs again whole. Torch's selective checkpointing hands kept values to one
-    backward only, and a backward that keeps the graph (a gradient penalty's
-    ``create_graph=True``) is followed by another through the same stage; recomputed, the
-    kept values are the same (random ops are never kept)."""
-    if _graph_kept():
-        return contextlib.nullcontext()
-    return recompute
 
 
 def _signature_for(root: nn.Module | None, gm: fx.GraphModule, placeholders: list[tuple[str, str]]) -> inspect.Signature:
@@ -647,85 +579,3 @@ def apply_plan(
     owner.variants[None] = variant
     owner._remat_current = variant
     return owner
-
-
-# ---- what the executor itself costs -------------------------------------------------------
-class _SineChain(nn.Module):
-    """``length`` element-wise ops in a row, each saving its input for the backward (so a
-    recomputed stage's backward does recompute)."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self.length = length
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.length):
-            x = torch.sin(x)
-        return x
-
-
-_OVERHEAD_CACHE: dict[str, tuple[float, float]] = {}
-_CHAIN_LENGTH = 32
-_SHORT, _LONG = 2, 8  # vertices per recomputed stage in the two calibration plans
-
-
-def measure_recompute_overhead(device: str | torch.device | None = None, *, rounds: int = 3,
-                               steps: int = 4, refresh: bool = False) -> tuple[float, float]:
-    """``(seconds per recomputed stage, seconds per vertex of one)``: what this executor
-    costs beyond the ops it runs again (checkpoint's frame, the RNG state, the
-    selective-checkpoint policy every op passes in the forward and in the recomputation;
-    docs/design.md section 4.7), measured once per device and cached.
-
-    A chain of ``_CHAIN_LENGTH`` small ops runs plainly and under two plans, recomputed
-    stages of ``_SHORT`` and of ``_LONG`` vertices (each keeping its last), the least step
-    time of ``rounds`` rounds of ``steps`` steps each. Each stage's excess over the plain
-    step, less the forward time of the vertices it runs again, is ``c_stage + c_vertex *
-    |Vi|``; the two stage lengths give both. The graph keeps them as
-    ``meta.recompute_stage_seconds`` and ``meta.recompute_vertex_seconds``."""
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    key = str(dev)
-    if key in _OVERHEAD_CACHE and not refresh:
-        return _OVERHEAD_CACHE[key]
-    chain = fx.symbolic_trace(_SineChain(_CHAIN_LENGTH))
-    ids = [n.name for n in chain.graph.nodes if n.op == "call_function"]
-    x = torch.full((64,), 0.5, device=dev, requires_grad=True)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def staged(length: int) -> nn.Module:
-        stages = [Stage(ids[i:i + length], "recompute") for i in range(0, len(ids), length)]
-        stages[-1].action = "keep"
-        return apply_plan(chain, Plan(stages, [], 0, 0.0, "calibration", True))
-
-    def least_step(run: Callable[[], Any]) -> float:
-        best = float("inf")
-        for _ in range(rounds + 1):  # the first round warms up
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                run()
-            sync()
-            best = min(best, (time.perf_counter() - start) / steps)
-        return best
-
-    def step(module: nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            module(x).sum().backward()
-            x.grad = None
-        return run
-
-    def forward_only() -> None:
-        with torch.no_grad():
-            chain(x)
-
-    with sympy_imported(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        op_seconds = least_step(forward_only) / _CHAIN_LENGTH
-        plain = least_step(step(chain))
-        per_stage = []
-        for length in (_SHORT, _LONG):
-            stages = _CHAIN_LENGTH // length - 1  # the last stage is kept
-            excess = (least_step(step(staged(length))) - plain) / stages
-            per_stage.append(excess - (length - 1) * op_seconds)  # all but the kept last run again
-    vertex = max((per_stage[1] - per_stage[0]) / (_LONG - _SHORT), 0.0)
-    stage = max(per_stage[0] - _SHORT * vertex, 0.0)
-    _OVERHEAD_CACHE[key] = (stage, vertex)
-    return stage, vertex

@@ -75,7 +75,7 @@ def metered_step(forward: Callable[[], Any], loss_fn: Callable[[Any], torch.Tens
                  measure: Callable[[Callable[[], None]], int]) -> int:
     """The peak bytes of one training step, ``forward()``, ``loss_fn`` of its outputs and
     the backward, as ``measure(step)`` reads it (the project's meter:
-    :func:`~lightning_remat.meter.peak_bytes`). ``outputs_held``: the step holds its
+    :func:`~lightning_remat.measure.peak.peak_bytes`). ``outputs_held``: the step holds its
     outputs until the backward has ended (the loop people write) rather than dropping them
     once the loss has read them. The step starts from no gradients on ``grad_holders`` (the
     parameters, the inputs that require one), as the profile's steps do, and the gradients

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.solvers.simulate import SharedSteps, StepSimulation, Timeline
+from lightning_remat.solvers.simulate import SharedSteps, StepSimulation
+from lightning_remat.solvers.step_memory import Timeline
 
 __all__ = ["StageCost", "VertexCosts", "stage_cost", "stage_costs", "vertex_costs"]
 

@@ -16,7 +16,7 @@ from lightning_remat.cache import PlanBasis, PlanCache
 from lightning_remat.graph.ir import Graph
 from lightning_remat.planner import Planner, PlanSettings
 from lightning_remat.solvers.scoring import make_plan
-from lightning_remat.tuning import TrialResult, run_search
+from lightning_remat.tuning.search import TrialResult, run_search
 
 PAGE = 4096
 
@@ -251,7 +251,7 @@ def test_a_root_dir_whose_cache_folder_is_a_file_still_fits(tmp_path):
 
 
 def test_a_study_file_that_cannot_be_created_warns_once_and_the_search_runs(tmp_path):
-    from lightning_remat.tuning import default_storage
+    from lightning_remat.tuning.study import default_storage
 
     (tmp_path / "lightning_remat_cache").write_text("not a folder")
     with warnings.catch_warnings(record=True) as record:

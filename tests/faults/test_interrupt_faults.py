@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.autograd import _profiler_enabled
 
-from lightning_remat import meter, remat
+from lightning_remat import remat
+from lightning_remat.measure import allocations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +44,7 @@ def _assert_trains_as_plain(model: nn.Module, plain: nn.Module, x: torch.Tensor)
 def test_an_interrupt_inside_the_meter_leaves_it_as_before(monkeypatch, where, call):
     model, x = _net(), torch.randn(256, 64)
     plain = copy.deepcopy(model)
-    original = getattr(meter.AllocationLog, where)
+    original = getattr(allocations.AllocationLog, where)
     calls = []
 
     def interrupted(self, *args):
@@ -52,14 +53,14 @@ def test_an_interrupt_inside_the_meter_leaves_it_as_before(monkeypatch, where, c
             raise KeyboardInterrupt  # Ctrl-C, here
         return original(self, *args)
 
-    monkeypatch.setattr(meter.AllocationLog, where, interrupted)
+    monkeypatch.setattr(allocations.AllocationLog, where, interrupted)
     with pytest.raises(KeyboardInterrupt):
         remat(model, x, "80%")
-    monkeypatch.setattr(meter.AllocationLog, where, original)
-    assert meter._running_logs == [] and not _profiler_enabled()  # no log left running
+    monkeypatch.setattr(allocations.AllocationLog, where, original)
+    assert allocations._running_logs == [] and not _profiler_enabled()  # no log left running
     assert all(p.grad is None for p in model.parameters())  # the module untouched
     _assert_trains_as_plain(model, plain, x)
-    assert meter._running_logs == [] and not _profiler_enabled()
+    assert allocations._running_logs == [] and not _profiler_enabled()
 
 
 _INTERRUPTED_IMPORT = r"""

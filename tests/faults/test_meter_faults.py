@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_remat import remat
-from lightning_remat.meter import StorageMeter, peak_bytes
+from lightning_remat.measure.peak import peak_bytes
+from lightning_remat.measure.storage import StorageMeter
 
 ROOT = Path(__file__).resolve().parents[2]
 

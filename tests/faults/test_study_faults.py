@@ -16,7 +16,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from lightning_remat.tuning import PARAM, BisectionSampler, TrialResult, run_search
+from lightning_remat.tuning.search import BisectionSampler, TrialResult, run_search
+from lightning_remat.tuning.study import PARAM
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ def test_a_search_killed_in_a_trial_resumes(tmp_path):
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from lightning_remat.tuning import TrialResult, run_search
+        from lightning_remat.tuning.search import TrialResult, run_search
 
         def trial(batch_size):
             if batch_size == 16:

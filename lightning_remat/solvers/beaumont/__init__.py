@@ -2,12 +2,9 @@
 Offloading Strategies for Deep Neural Network Training" (Euro-Par 2020;
 docs/design.md section 4.5).
 
-The model (paper section 3.1): a chain of forward ops ``F_0 .. F_{n-1}`` and backward ops
-``B_{n-1} .. B_0``. ``F_i`` reads activation ``x_i`` and produces ``x_{i+1}``; ``B_i`` reads
-``x_i``, ``x_{i+1}`` and the gradient ``y_{i+1}`` and produces ``y_i``. Ops need the temporary
-bytes ``ex_F``/``ex_B``. Activations may be copied to the host at bandwidth ``beta`` (one
-transfer at a time, overlapping compute, memory released when an offload completes and reserved
-when a prefetch starts: assumptions (A)-(E)).
+The model (paper section 3.1) is a chain of forward and backward ops whose activations may be
+copied to the host at bandwidth ``beta``, one transfer at a time overlapping compute
+(assumptions (A)-(E)); :mod:`.chain` states it.
 
 One module per part of the paper, as each solver reads the same chain model and is scored by
 the same no-wait schedule simulator:

@@ -33,9 +33,7 @@ One module per algorithm, as the paper builds them on each other:
 
 from __future__ import annotations
 
-import heapq
-
-from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.ir import Graph, stable_topological_order
 from lightning_remat.solvers.feng.arbitrary import FengSolution, solve_arbitrary, solve_tree
 from lightning_remat.solvers.feng.division import DivisionNode, division_tree
 from lightning_remat.solvers.feng.linear import chain_max_term, solve_linear
@@ -84,16 +82,7 @@ def _stages(graph: Graph, stored: list[str]) -> list[Stage]:
             after[a].add(b)
             indegree[b] += 1
     first = [min(graph.position(v) for v in g) for g in groups]
-    ready = [(first[g], g) for g in range(count) if indegree[g] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, g = heapq.heappop(ready)
-        order.append(g)
-        for h in after[g]:
-            indegree[h] -= 1
-            if indegree[h] == 0:
-                heapq.heappush(ready, (first[h], h))
+    order = stable_topological_order(after, dict(enumerate(indegree)), first.__getitem__)
     if len(order) != count:
         raise ValueError("the stored set does not cut the graph into two-endpoint segments")
     stages = []

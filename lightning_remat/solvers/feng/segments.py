@@ -56,26 +56,19 @@ def segments(graph: Graph, stored: Iterable[str]) -> list[Segment]:
         stack = [start]
         while stack:
             v = stack.pop()
-            preds = graph.predecessors(v)
-            succs = graph.successors(v)
-            if not preds:
-                sources.add(_SOURCE)
-            if not succs:
-                targets.add(_TARGET)
-            for u in preds:
-                if u in stored_set:
-                    sources.add(u)
-                elif u not in seen:
-                    seen.add(u)
-                    members.append(u)
-                    stack.append(u)
-            for w in succs:
-                if w in stored_set:
-                    targets.add(w)
-                elif w not in seen:
-                    seen.add(w)
-                    members.append(w)
-                    stack.append(w)
+            # Upstream the segment's sources, downstream its targets: a stored neighbour is
+            # an end, the graph's own edge the virtual source or target; the rest joins it.
+            for neighbours, ends, outside in ((graph.predecessors(v), sources, _SOURCE),
+                                              (graph.successors(v), targets, _TARGET)):
+                if not neighbours:
+                    ends.add(outside)
+                for u in neighbours:
+                    if u in stored_set:
+                        ends.add(u)
+                    elif u not in seen:
+                        seen.add(u)
+                        members.append(u)
+                        stack.append(u)
         members.sort(key=graph.position)
         found.append(Segment(members, int(graph.total("mem", members)), sources, targets))
     found.sort(key=lambda s: graph.position(s.nodes[0]))
