@@ -140,7 +140,7 @@ class RematHooks:
         self._detecting = False
         self._ran_unplanned: dict[str, str] = {}
         self._depth = 0
-        self._restored: dict[str | None, dict[str, StoredPlan]] = {}
+        self._restored: dict[str, dict[str, StoredPlan]] = {}
         self._in_training_step = False
         self._planning_paused = False
         self._step_budget = StepBudget(memory_budget)  # the step's modules share one budget
@@ -236,8 +236,6 @@ class RematHooks:
 
     def _add_planner(self, name: str, module: torch.nn.Module) -> Planner:
         restored = self._restored.setdefault(name, {})
-        if not self.planners and None in self._restored:  # a checkpoint from before names
-            restored.update(self._restored.pop(None))  # type: ignore[call-overload]
         planner = Planner(module, self.remat_settings, restored=restored, **self._planner_options)
         self._step_budget.add(name, planner)
         self.planners[name] = planner
@@ -356,29 +354,22 @@ class RematHooks:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
-        """Each planned module's plans with what decided them; plans restored and not
-        replaced in this run are kept, so a resume that has not yet seen an input loses
-        nothing. ``"plans"`` holds the first module's (as before modules were named)."""
-        modules: dict[str, dict[str, dict[str, Any]]] = {}
-        for name, restored in self._restored.items():
-            if name is not None:
-                modules[name] = {key: stored.to_dict() for key, stored in restored.items()}
+        """Each planned module's plans with what decided them, by the module's name; plans
+        restored and not replaced in this run are kept, so a resume that has not yet seen
+        an input loses nothing."""
+        modules: dict[str, dict[str, dict[str, Any]]] = {
+            name: {key: stored.to_dict() for key, stored in restored.items()}
+            for name, restored in self._restored.items()}
         for name, planner in self.planners.items():
             state = modules.setdefault(name, {})
             for key, entry in planner.planned.items():
                 state[stored_key(key)] = StoredPlan(entry.graph.to_json(), entry.plan.to_json(), entry.basis).to_dict()
-        first = next(iter(self.planners), next(iter(modules), None))
-        if first is None and None in self._restored:  # restored from before names, not yet used
-            legacy = {key: stored.to_dict() for key, stored in self._restored[None].items()}  # type: ignore[index]
-            return {"plans": legacy}
-        return {"plans": modules.get(first, {}) if first is not None else {}, "modules": modules}
+        return {"modules": modules}
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(CHECKPOINT_KEY) or {}
-        by_module = state.get("modules")
-        stored_by_module = by_module if isinstance(by_module, dict) else {None: state.get("plans") or {}}
+        by_module = (checkpoint.get(CHECKPOINT_KEY) or {}).get("modules")
         self._restored.clear()
-        for name, plans in stored_by_module.items():
+        for name, plans in (by_module if isinstance(by_module, dict) else {}).items():
             restored = self._restored.setdefault(name, {})
             for key, value in (plans or {}).items():
                 try:

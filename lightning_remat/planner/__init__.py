@@ -159,11 +159,6 @@ class Planner(FirstStepCheck, StoredPlans):
         state["step_budget"] = None  # a module loaded alone plans within its own budget
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Planners pickled before the first step's time and its re-plans were kept.
-        self.__dict__.update({"step_times": None, "step_budget": None, "_timed": set(), "_replans": {}})
-        self.__dict__.update(state)
-
     def __deepcopy__(self, memo: dict[int, Any]) -> Planner:
         # A copy in memory (an EMA of the model, say) keeps the loss_fn: only pickling drops it.
         copied = object.__new__(type(self))

@@ -22,7 +22,6 @@ from lightning_remat.measure.timeline import TimelinePoint, record_timeline
 from lightning_remat.runtime.module import RematModule, Variant
 from lightning_remat.runtime.stepcheck import StepTimes
 from lightning_remat.solvers import SOLVERS, simulate
-from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.policy import plain_peak_bytes
 from lightning_remat.solvers.step_memory import Timeline
 
@@ -98,17 +97,11 @@ class Planned:
         assert self.variant.graph is not None
         return self.variant.graph
 
-    @property
-    def plan(self) -> Plan:
-        return self.variant.plan
-
-    @property
-    def budget_bytes(self) -> int | None:
-        return self.variant.budget_bytes
-
-    @property
-    def from_cache(self) -> bool:
-        return self.variant.from_cache
+    # What the variant holds, read through it (a plan made again replaces the variant).
+    plan = property(lambda self: self.variant.plan, doc="The plan the variant runs.")
+    budget_bytes = property(lambda self: self.variant.budget_bytes, doc="The budget the plan was made for.")
+    from_cache = property(lambda self: self.variant.from_cache,
+                          doc="Whether the plan came from the cache or a checkpoint.")
 
     def predicted_timeline(self) -> Timeline:
         """Live bytes after every op of a step under this plan, as the simulator predicts."""

@@ -333,7 +333,7 @@ class RematModule(nn.Module):
         env: dict[str, Any] = {}
         for (node_name, _), value in zip(stages.placeholders, variant.bind(args, kwargs)):
             env[node_name] = value
-        written = getattr(stages, "written_inputs", [])  # a plan pickled before it had them: none
+        written = stages.written_inputs
         callers = {name: env[name] for name, _ in written if isinstance(env[name], torch.Tensor)}
         swapped: set[str] = set()
         for name, value in callers.items():
