@@ -235,7 +235,8 @@ class RematBatchSizeFinder(Callback):
                 solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str,
                 hint: int | list[int] | None = None) -> SearchResult:
         storage = self.storage or default_storage(trainer.default_root_dir)
-        name = study_name_for(pl_module, settings.device, settings.budget_bytes, solver, sample_shape,
+        budget = None if settings.budget_from_device else settings.budget_bytes
+        name = study_name_for(pl_module, settings.device, budget, solver, sample_shape,
                               precision=str(trainer.precision), ranks=trainer.world_size)
         if self.study_name:
             name = f"{self.study_name}|{name}"

@@ -160,9 +160,13 @@ def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | N
     """``<ModelClass>#<fingerprint>|<device>|<budget bytes>|<solver>[|<precision>][|<ranks>
     ranks][|<per-sample input shapes>]``: one study per setting, so a resumed search only
     reuses trials that measured the same thing (a changed model, its attention
-    implementation say, starts a study of its own; :func:`module_fingerprint`)."""
+    implementation say, starts a study of its own; :func:`module_fingerprint`).
+    ``budget_bytes`` None: the budget is the device's free memory, read afresh by each run
+    (and each trial), so the name says ``free`` rather than one run's reading, which a
+    resumed search would not read again to the byte."""
+    budget = "free" if budget_bytes is None else f"{budget_bytes}B"
     parts = [f"{type(model).__name__}#{module_fingerprint(model)}", device_name(torch.device(device)),
-             f"{budget_bytes}B", solver]
+             budget, solver]
     if precision:
         parts.append(str(precision))
     if ranks > 1:
