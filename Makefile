@@ -43,7 +43,7 @@ demo: venv
 
 # The suite (the zoo of transformers, timm and torchvision models included) on both cores.
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 lint: venv
 	$(BIN)/ruff check .

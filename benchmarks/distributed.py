@@ -17,7 +17,7 @@ the larger of the two), the median step time as a ratio to plain FSDP's (measure
 processes), and the largest batch per rank whose measured peak stays within plain FSDP's
 per-rank peak at the base batch (doubling, then bisecting to ``--granularity``; for
 ``remat_fsdp`` every size is planned for that peak as an absolute budget). Results go to
-``benchmarks/results-distributed/<tag>.json``; :func:`render_section` turns them into the
+``benchmarks/results/distributed/<tag>.json``; :func:`render_section` turns them into the
 "Distributed" section of ``benchmarks/RESULTS.md`` (``benchmarks/render.py`` calls it).
 
     python benchmarks/distributed.py            # about 5 minutes on a 2-core CPU
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results-distributed"
+RESULTS = ROOT / "benchmarks" / "results" / "distributed"
 MiB = 2**20
 METHODS = ["plain", "remat:50%", "remat:75%", "policy:Block"]
 LABELS = {"plain": "plain FSDP", "remat:50%": "remat_fsdp 50%", "remat:75%": "remat_fsdp 75%",

@@ -9,7 +9,7 @@ pass through dispatch: the meter before it counted allocations).
 
     python benchmarks/meter_check.py            # prints the table, writes it for RESULTS.md
 
-The table goes to ``benchmarks/results-meter/cpu.md`` with the machine, torch and date of the
+The table goes to ``benchmarks/results/meter/cpu.md`` with the machine, torch and date of the
 run; ``benchmarks/render.py`` puts it in RESULTS.md.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-OUTPUT = ROOT / "benchmarks" / "results-meter" / "cpu.md"
+OUTPUT = ROOT / "benchmarks" / "results" / "meter" / "cpu.md"
 
 STEPS = {
     "unet (oneDNN convolutions)": ("unet", True),

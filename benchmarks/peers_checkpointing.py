@@ -14,7 +14,7 @@ the medians). Our smallest feasible budget is ``min_budget(graph, "auto")`` on t
     python benchmarks/peers_checkpointing.py            # every model; prints the table
     python benchmarks/peers_checkpointing.py --models vit gpt2
 
-Results go to ``benchmarks/results-peers/<tag>.json``; ``benchmarks/render.py`` puts their
+Results go to ``benchmarks/results/peers/<tag>.json``; ``benchmarks/render.py`` puts their
 table in ``benchmarks/RESULTS.md``.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results-peers"
+RESULTS = ROOT / "benchmarks" / "results" / "peers"
 MiB = 2**20
 MODELS = ("vit", "swin", "efficientnet", "gpt2")
 PEER = {"vit": "timm set_grad_checkpointing", "swin": "timm set_grad_checkpointing",

@@ -25,7 +25,7 @@ search at most 30, with fewer trials than BatchSizeFinder to the same or a large
 
 Run: ``python benchmarks/planning.py [--models gpt unet] [--search] [--out PATH]`` (the
 vision models need torchvision). Prints a table with the machine, torch version and date,
-and writes the figures as JSON (default ``benchmarks/planning_results/<device>.json``),
+and writes the figures as JSON (default ``benchmarks/results/planning/<device>.json``),
 which ``benchmarks/render.py`` puts into RESULTS.md as the planning-cost table.
 """
 
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.run import SIZES, build  # noqa: E402
 
 MODELS = ["resnet50", "unet", "gpt"]
-OUT_DIR = ROOT / "benchmarks" / "planning_results"
+OUT_DIR = ROOT / "benchmarks" / "results" / "planning"
 
 
 def _plain_step_seconds(model: Any, x: Any, repeats: int = 5) -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """Predicted against measured peak and extra time of every plan ``benchmarks/run.py`` measured,
 and of a plain and a sqrt(n) recompute plan on three small models.
 
-By default it reads ``benchmarks/results/<tag>/*.json`` (every tag, or ``--tag``) and prints,
+By default it reads ``benchmarks/results/run/<tag>/*.json`` (every tag, or ``--tag``) and prints,
 for every plan of ours run.py measured (its budgets, the equal-memory cells, the largest-batch
 probes), the measured and predicted peak with the error in %, the measured extra time
 (time/plain - 1) and the predicted one (the plan's extra seconds over the profiled step)
@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "run"
 
 # name -> (batch, description); small sizes so the CPU run takes a few minutes.
 MODELS = {
@@ -201,7 +201,7 @@ def report(results: Path, tags: list[str] | None = None) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tag", action="append", help="a results folder under benchmarks/results "
+    parser.add_argument("--tag", action="append", help="a results folder under benchmarks/results/run "
                         "(repeatable; default: every one)")
     parser.add_argument("--results", type=Path, default=RESULTS, help=argparse.SUPPRESS)
     parser.add_argument("--measure", action="store_true",

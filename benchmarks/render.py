@@ -1,4 +1,4 @@
-"""``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from ``benchmarks/results/``.
+"""``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from ``benchmarks/results/`` (``run/<tag>/`` and the other benchmarks' folders beside it).
 
 Every results folder (a tag: ``cpu-quick``, ``cpu``, ``cuda``, ...) becomes one section:
 its machine, torch version, date and commit, a plot of peak against time per model (one
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "run"
 PLOTS = ROOT / "benchmarks" / "plots"
 OUTPUT = ROOT / "benchmarks" / "RESULTS.md"
-PLANNING = ROOT / "benchmarks" / "planning_results"
+PLANNING = ROOT / "benchmarks" / "results" / "planning"
 MODEL_ORDER = ["resnet50", "resnet101", "resnet152", "vgg19", "densenet121", "unet", "gpt"]
 TAG_ORDER = ["cuda", "cpu", "cpu-quick"]
 MiB = 2**20
@@ -671,7 +671,7 @@ def distributed_section(results: Path) -> list[str]:
     """The rows ``benchmarks/distributed.py`` measured (its own results folder)."""
     from benchmarks.distributed import render_section
 
-    return render_section(results.parent / "results-distributed")
+    return render_section(results.parent / "distributed")
 
 
 def planning_results_section(results: Path) -> list[str]:
@@ -681,7 +681,7 @@ def planning_results_section(results: Path) -> list[str]:
 
 def meter_section(results: Path) -> list[str]:
     """The meter against the allocator's edge (``benchmarks/meter_check.py``'s table)."""
-    table = results.parent / "results-meter" / "cpu.md"
+    table = results.parent / "meter" / "cpu.md"
     if not table.is_file():
         return []
     return ["## The meter against the allocator's edge", "", *table.read_text().rstrip().splitlines()]
@@ -691,7 +691,7 @@ def peers_section(results: Path) -> list[str]:
     """The table ``benchmarks/peers_checkpointing.py`` measured (its own results folder)."""
     from benchmarks.peers_checkpointing import render_section as render_peers
 
-    return render_peers(results.parent / "results-peers")
+    return render_peers(results.parent / "peers")
 
 
 DOCUMENT_SECTIONS: list[Callable[[Path], list[str]]] = [planning_results_section, distributed_section,

@@ -17,7 +17,7 @@ measured peak becomes the budget of ``auto``, ``kusumoto-tc``, ``kusumoto-mc``, 
 Our plans: the model is profiled once per run (a fresh process, ``plan_all``), every plan of
 the run (each solver at each budget) is made on that profile as ``remat()`` makes it, and
 each distinct plan is measured once, in a fresh process, through ``apply_plan``; the graph
-and the plans are kept in ``benchmarks/results/<tag>/plans/`` (``lightning-remat simulate``
+and the plans are kept in ``benchmarks/results/run/<tag>/plans/`` (``lightning-remat simulate``
 scores them again). Every measured plan's predicted peak and extra time sit beside the
 measured ones (``benchmarks/prediction.py`` prints them all and the worst errors).
 
@@ -43,7 +43,7 @@ How it is measured (the same for every method):
   peak stays within the cap (ours: with ``memory_budget`` = the cap). "plain" is what
   Lightning's ``BatchSizeFinder`` finds on a device with exactly that much memory.
 
-Results go to ``benchmarks/results/<tag>/<model>.json`` with the device, torch version,
+Results go to ``benchmarks/results/run/<tag>/<model>.json`` with the device, torch version,
 date and commit of the run, and ``benchmarks/render.py`` turns every results file into
 ``benchmarks/RESULTS.md`` and the plots in ``benchmarks/plots/`` (run.py calls it at the end).
 
@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "run"
 sys.path.insert(0, str(ROOT))
 
 VISION_MODELS = ["resnet50", "resnet101", "resnet152", "vgg19", "densenet121"]
@@ -730,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", default="all", choices=["all", "table", "peers", "ours", "batch"],
                    help="measure one part of each model (results merge into its file); table: "
                    "peers and ours, no largest-batch search (a fresh file, as all)")
-    p.add_argument("--tag", help="results folder under benchmarks/results (default: DEVICE[-quick])")
+    p.add_argument("--tag", help="results folder under benchmarks/results/run (default: DEVICE[-quick])")
     p.add_argument("--batch", type=int, help="override the base batch size")
     p.add_argument("--repeats", type=int, help="timed steps per method, and as many plain ones "
                    "(default 5; 3 with --quick and --set equal-memory)")

@@ -7,6 +7,11 @@ gain (the zoo's vision tests took 78 s that way and 55 s with a thread per worke
 worker gets its share of the cores, and so do the child processes it starts (the
 allocator's-edge meters, the distributed spawns), through ``OMP_NUM_THREADS``. A run
 without workers keeps torch's default.
+
+``make test`` sends each test file to one worker (``--dist loadfile``), so the fixtures a
+file shares (a spawn of ranks, an allocator's-edge child, a zoo model's plan) are made once.
+pytest-xdist's ``loadgroup`` would group finer, but under pytest 9 it groups nothing: it
+renames node ids through a field pytest 9 no longer reads.
 """
 
 from __future__ import annotations

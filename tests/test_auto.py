@@ -113,14 +113,14 @@ def test_no_budget_is_plain_tc(no_offload):
 
 
 def test_auto_spends_the_budget_the_time_centric_dp_leaves():
-    """A ResNet-50 profiled on an H200 (benchmarks/results/cuda): the DP's summed cache
+    """A ResNet-50 profiled on an H200 (benchmarks/results/run/cuda): the DP's summed cache
     counts values the simulator frees between stages, so its plan for a budget leaves part
     of it unspent. auto's plan fits the budget with less extra time than the DP's own."""
     from pathlib import Path
 
     from lightning_remat.solvers.policy import plain_peak_bytes
 
-    graph = Graph.load(Path(__file__).parents[1] / "benchmarks/results/cuda/plans/resnet50.graph.json")
+    graph = Graph.load(Path(__file__).parents[1] / "benchmarks/results/run/cuda/plans/resnet50.graph.json")
     for fraction in (0.5, 0.75):
         budget = int(plain_peak_bytes(graph) * fraction)
         dp = solve_approx_tc(graph, budget)

@@ -27,10 +27,6 @@ from tests.lit_models import trainer_kwargs
 from tests.test_ddp_shapes import ThreadRanks
 from tests.test_strategy_fsdp import ShardedNet
 
-# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
-# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
-pytestmark = pytest.mark.xdist_group("test_batch_size_ranks")
-
 
 class SearchedNet(ShardedNet):
     """Writes, per rank, the size the search chose and the size of the batches it trained on."""

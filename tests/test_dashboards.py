@@ -16,10 +16,6 @@ from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.lightning.strategy import RematStrategy
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
-# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
-# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
-pytestmark = pytest.mark.xdist_group("test_dashboards")
-
 STEP_TAGS = {"remat/peak_bytes", "remat/step_seconds", "remat/budget_bytes",
              "remat/predicted_peak_bytes", "remat/extra_time_ratio"}
 TIMELINE_TAGS = {"remat/timeline/measured", "remat/timeline/predicted", "remat/timeline/budget"}

@@ -25,10 +25,6 @@ from lightning_remat.lightning.fsdp import RematFSDPStrategy
 from lightning_remat.lightning.strategy import RematDDPStrategy
 from tests.distributed import run_ranks
 
-# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
-# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
-pytestmark = pytest.mark.xdist_group("test_distributed_defaults")
-
 STEPS = 3
 WIDTH = 64
 
@@ -123,6 +119,10 @@ class Model(pl.LightningModule):
         if planner is not None:
             plans = {repr(k): [e.plan.to_json(), e.from_cache] for k, e in planner.planned.items()}
             (self.out / f"plans{self.global_rank}.json").write_text(json.dumps(plans))
+            from lightning_remat.solvers.policy import plain_peak_bytes
+
+            budgets = [[e.budget_bytes, plain_peak_bytes(e.graph)] for e in planner.planned.values()]
+            (self.out / f"budgets{self.global_rank}.json").write_text(json.dumps(budgets))
 
     def _save(self, when: str) -> None:
         def local(value):
@@ -274,6 +274,11 @@ def test_remat_fsdp_trains_as_plain_fsdp_with_lightning_defaults(ranks_ran, scen
     assert list((root / "lightning_logs").glob("version_*/events.*"))  # the default logger wrote
     if scenario in ("percent_under_uneven_load", "bytes_budget"):
         assert any('"recompute"' in plan for plan, _ in plans[0].values())
+        # The budget as remat() reads it (tests/test_one_budget.py): bytes as given, a
+        # fraction of the plain peak of the graph planned, on every rank.
+        for rank in (0, 1):
+            for budget, plain in json.loads((out / f"budgets{rank}.json").read_text()):
+                assert budget == (1_300_000 if scenario == "bytes_budget" else int(0.75 * plain))
     cached = [from_cache for _, from_cache in plans[0].values()]
     assert all(cached) if scenario == "none_warm" else not any(cached)
 
@@ -284,6 +289,10 @@ def test_collective_in_forward_profiles_on_every_rank(ranks_ran, scenario):
     plans = _plans(ranks_ran / scenario)
     assert plans[0] and plans[0] == plans[1]
     assert any('"recompute"' in plan for plan, _ in plans[0].values())
+    if scenario == "collective_in_forward_ddp":  # remat_ddp's "50%": of the planned graph's plain peak
+        for rank in (0, 1):
+            for budget, plain in json.loads((ranks_ran / scenario / f"budgets{rank}.json").read_text()):
+                assert budget == int(0.5 * plain)
 
 
 @pytest.mark.slow

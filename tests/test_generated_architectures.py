@@ -40,10 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Its module-scoped fixture (a spawn, a child process or a run) is made once: every test
-# of the file runs in one pytest-xdist worker (``--dist loadgroup``).
-pytestmark = pytest.mark.xdist_group("test_generated_architectures")
-
 ROOT = Path(__file__).resolve().parent.parent
 CHANNELS, SIDE, BATCH = 32, 32, 32
 KINDS = ("conv", "grouped", "depthwise", "down_up", "bn_relu_", "concat", "skip", "attention",

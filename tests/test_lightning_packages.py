@@ -301,3 +301,17 @@ def test_a_step_budget_no_modules_fit_together_names_them_and_advises_a_budget_t
     _fit_steps(tmp_path / "advised", CallsEncoderThenSmallHead, strategy)
     total, used = _shared(strategy)
     assert used <= total
+
+
+def test_the_registration_table_names_each_class_by_its_own_strategy_name() -> None:
+    """``import lightning_remat`` registers the strategies from a table, without importing
+    them (no import order may meet a partly imported module): each row names the class, in
+    each Lightning package's twin, whose ``strategy_name`` it registers."""
+    import importlib
+
+    from lightning_remat import registration
+
+    for ours in registration.PACKAGES.values():
+        for name, (module, class_name, _) in registration.STRATEGIES.items():
+            strategy = getattr(importlib.import_module(f"{ours}.{module}"), class_name)
+            assert strategy.strategy_name == name, (ours, class_name)

@@ -80,9 +80,6 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
 # (at batch 4, 96 px, the smallest budget auto reaches is 0.70 of plain): held to 75% there.
 BUDGET = {"resnet50": "75%"}
 
-# The tests of one model run in one pytest-xdist worker (``--dist loadgroup``), so that its
-# plan, trace and profile are made once (``planned``).
-BY_MODEL = [pytest.param(name, marks=pytest.mark.xdist_group(f"zoo-{name}")) for name in sorted(ZOO)]
 
 
 @cache
@@ -103,7 +100,7 @@ def capture(remat_model: RematModule) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BY_MODEL)
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_a_zoo_model_trains_as_plain_within_half_its_peak(name: str) -> None:
     model, plain, x, remat_model = planned(name)
     plan = remat_model.plan
@@ -139,7 +136,7 @@ SWEPT = sorted(SOLVERS) if os.environ.get("REMAT_ZOO_ALL_SOLVERS") else sorted(s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BY_MODEL)
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_no_solver_crashes_on_a_zoo_graph(name: str) -> None:
     graph = copy.deepcopy(planned(name)[3].graph)
     graph.meta.bandwidth_bytes_per_s = BANDWIDTH_BYTES_PER_S  # for the offloading solvers

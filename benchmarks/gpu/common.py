@@ -1,6 +1,6 @@
 """What the four GPU commands share: a PASS/FAIL line per check, a time limit per part, and
 one JSON file of results per command (with the device and the date), under
-``benchmarks/gpu/results/``.
+``benchmarks/results/gpu/``.
 
 Each command is ``python benchmarks/gpu/<name>.py`` on a machine with one CUDA device; each
 runs in under 9 minutes on one H100 (its parts have time limits that add up to less).
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
 LIMIT_SECONDS = 9 * 60
 """The most one command may take on one H100."""
 
@@ -64,7 +64,7 @@ class Report:
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--dry-run", action="store_true", help="list the parts and exit (no GPU needed)")
-    p.add_argument("--out", type=Path, help="the JSON file (default: benchmarks/gpu/results/<command>-<date>.json)")
+    p.add_argument("--out", type=Path, help="the JSON file (default: benchmarks/results/gpu/<command>-<date>.json)")
     return p
 
 
