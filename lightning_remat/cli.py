@@ -318,11 +318,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from lightning_remat.report import read_run, write_png
+    from lightning_remat.report import find_event_dirs, plan_text_for_terminal, read_run, write_png
 
     report = read_run(args.run_dir)
+    runs = len(find_event_dirs(args.run_dir))
+    print(f"run: {report.event_dir}" + (f" (the latest with a timeline of {runs} event folders under "
+                                        f"{args.run_dir}; give one of them to read another)" if runs > 1 else ""))
     out = write_png(report, args.out or report.event_dir / "remat_timeline.png")
-    print(report.plan_text or "(no plan table logged)")
+    print(plan_text_for_terminal(report.plan_text) if report.plan_text else "(no plan table logged)")
     if report.measured:
         print(f"\ntimeline maximum: measured {format_bytes(max(report.measured))}, "
               f"predicted {format_bytes(max(report.predicted))}")

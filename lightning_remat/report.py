@@ -73,19 +73,44 @@ def format_plan(
     facts.append(("predicted extra", extra))
     rows = _stage_rows(graph, plan)
     if markdown:
-        lines = [f"**{title}**", "", " · ".join(f"**{k}** {v}" for k, v in facts), "",
+        lines = [f"**{title}**", "", _FACTS_SEPARATOR.join(f"**{k}** {v}" for k, v in facts), "",
                  "| " + " | ".join(_STAGE_COLUMNS) + " |",
                  "|---:|:---|---:|:---|---:|---:|"]
         lines += ["| " + " | ".join(f"`{c}`" if i == 3 else c for i, c in enumerate(row)) + " |"
                   for row in rows]
         lines += [f"- note: {note}" for note in plan.notes]
         return "\n".join(lines)
+    return _plain_plan(title, facts, rows, plan.notes)
+
+
+_FACTS_SEPARATOR = " · "
+
+
+def _plain_plan(title: str, facts: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]],
+                notes: Sequence[str]) -> str:
+    """The aligned plain-text form of a plan table (a terminal's)."""
     lines = [title] + [f"  {k}: {v}" for k, v in facts]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_STAGE_COLUMNS)]
     lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(_STAGE_COLUMNS, widths)))
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    lines += [f"  note: {note}" for note in plan.notes]
+    lines += [f"  note: {note}" for note in notes]
     return "\n".join(lines)
+
+
+def plan_text_for_terminal(markdown: str) -> str:
+    """A plan table logged for TensorBoard (``format_plan(..., markdown=True)``) as
+    :func:`format_plan` prints it for a terminal; text in any other form as it is."""
+    lines = markdown.splitlines()
+    if len(lines) < 5 or not (lines[0].startswith("**") and lines[0].endswith("**")):
+        return markdown
+    facts = []
+    for part in lines[2].split(_FACTS_SEPARATOR):
+        key, _, value = part.removeprefix("**").partition("** ")
+        facts.append((key, value))
+    rows = [[cell.strip().strip("`") for cell in line.strip().strip("|").split(" | ")]
+            for line in lines[6:] if line.startswith("| ")]
+    notes = [line.removeprefix("- note: ") for line in lines if line.startswith("- note: ")]
+    return _plain_plan(lines[0].strip("*"), facts, rows, notes)
 
 
 # ---- a batch-size search -----------------------------------------------------------------------

@@ -105,3 +105,18 @@ def test_an_unknown_solver_is_refused_with_the_registered_names(tmp_path, capsys
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "'kusumoto' is not a solver" in err and "kusumoto-tc" in err
+
+
+def test_a_plan_logged_for_tensorboard_reads_in_a_terminal_as_format_plan_prints_it():
+    """`lightning-remat report` reads the plan table TensorBoard holds (Markdown) and prints
+    it as `solve` does: the same facts, stages and notes, aligned for a terminal."""
+    from lightning_remat.report import format_plan, plan_text_for_terminal
+    from lightning_remat.solvers import get_solver, plain_plan
+
+    graph = Graph.load(Path(__file__).parent / "data" / "resnet50_224.json")
+    budget = int(0.7 * plain_plan(graph).predicted_peak_bytes)
+    plan = get_solver("kusumoto-mc")(graph, budget)
+    assert plan.count("recompute") and plan.notes
+    logged = format_plan(graph, plan, budget_bytes=budget, markdown=True)
+    assert plan_text_for_terminal(logged) == format_plan(graph, plan, budget_bytes=budget)
+    assert plan_text_for_terminal("some other text") == "some other text"

@@ -89,7 +89,11 @@ def test_report_writes_a_png_and_prints_the_plan(remat_run, tmp_path, capsys):
     assert cli_main(["report", str(log_dir), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
     text = capsys.readouterr().out
-    assert "| stage | action |" in text and "recompute" in text
+    # For a terminal: the table aligned as format_plan prints it, not TensorBoard's Markdown,
+    # and the run it read named.
+    assert "stage  action" in text and "recompute" in text and "  solver: " in text
+    assert "**" not in text and "|---" not in text and "`" not in text
+    assert text.splitlines()[0].startswith("run: ")
 
 
 def test_report_on_a_dir_without_logs_says_what_to_do(tmp_path, capsys):
