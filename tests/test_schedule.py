@@ -250,6 +250,17 @@ def test_a_scheduled_step_trains_as_plain(seed: int) -> None:
             assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_stage_left_to_plain_checkpoint_runs_the_same_again_and_holds_no_more(seed: int) -> None:
+    """A recomputed stage keeps nothing where plain checkpoint's early stop runs none of its
+    boundary again: the same ops run again as when it keeps its boundary (the stage-cost
+    fold's schedule, ``keep_boundaries``), and the step's predicted peak is no higher."""
+    _, _, _, graph, plan, schedule = _setup(seed)
+    kept = make_schedule(graph, plan, keep_boundaries=True)
+    assert [s.recomputed for s in schedule.stages] == [s.recomputed for s in kept.stages]
+    assert simulate(graph, plan).peak_bytes <= simulate(graph, plan, schedule=kept).peak_bytes
+
+
 def test_the_schedule_is_the_plan_compiled_once() -> None:
     """Kept values are boundary values, never random or left-in-place ops; what is kept is
     not recomputed; an in-place op on a recomputed stage's input is rewritten."""

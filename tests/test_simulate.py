@@ -124,13 +124,21 @@ def test_a_recomputation_stops_where_the_stage_saved_its_last_tensor():
     g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3"), ("v3", "v4")],
               {"saved_refs": {"v0": ["v0"], "v1": ["v0"], "v2": ["v1"], "v4": ["v3"]}, "outputs": ["v4"]})
     plan = make_plan(g, [(["v0", "v1", "v2", "v3"], "recompute"), (["v4"], "keep")], "t")
-    stage = make_schedule(g, plan).stages[0]
+    stage = make_schedule(g, plan, keep_boundaries=True).stages[0]
     assert stage.kept == {"v3"} and stage.packed_only == "v2" and stage.recomputed == ("v0", "v1")
-    t = simulate(g, plan)
+    # v3 lies after the last saving op: plain checkpoint runs it no more than keeping would,
+    # so the stage keeps nothing (no selective policy) and recomputes the same.
+    stage = make_schedule(g, plan).stages[0]
+    assert stage.kept == set() and stage.packed_only == "v2" and stage.recomputed == ("v0", "v1")
+    kept = simulate(g, plan, schedule=make_schedule(g, plan, keep_boundaries=True))
     # Before: v3 (kept, 10) and the gradient v4 hands it (10). v0 runs (+10), v1 (+10);
     # v2 saves v1 again and stops: nothing allocated, no workspace. v3 is not reached: the
     # kept value goes with the recomputation's frame.
-    assert phases(t, "recompute") == [("v0", 30, 30), ("v1", 40, 40), ("v2", 30, 40)]
+    assert phases(kept, "recompute") == [("v0", 30, 30), ("v1", 40, 40), ("v2", 30, 40)]
+    # Under plain checkpoint v3 went with v4's backward, which saved it: 10 less until the
+    # frame ends, which then has no kept value to let go.
+    t = simulate(g, plan)
+    assert phases(t, "recompute") == [("v0", 20, 20), ("v1", 30, 30), ("v2", 30, 30)]
     assert t.peak_bytes == plan.predicted_peak_bytes < 40 + 10 + 50
     assert plan.predicted_extra_seconds == 2.0  # v0 and v1 ran again, v2 did not compute
     assert t.events[-1].live_bytes == 0
@@ -163,15 +171,20 @@ def test_a_gradient_added_into_a_broadcast_one_takes_a_buffer_of_its_own():
 
 
 def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():
+    from lightning_remat.solvers.schedule import make_schedule
+
     # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep); nothing saved, so what stays live
-    # between forward and backward is only what the checkpoint keeps: its input v0 and its
-    # boundary value v2.
+    # between forward and backward is only what the checkpoint keeps: its input v0, and its
+    # boundary value v2 where the stage keeps it (keep_boundaries). Left to plain checkpoint
+    # (nothing of the stage runs again either way), v2 goes once v3 has read it.
     nodes = [Node(f"v{i}", "op", mem=m) for i, m in enumerate([100, 10, 10, 1])]
     g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")],
               {"saved_refs": {}, "outputs": ["v3"]})
     plan = make_plan(g, [(["v0"], "keep"), (["v1", "v2"], "recompute"), (["v3"], "keep")], "t")
+    kept = simulate(g, plan, schedule=make_schedule(g, plan, keep_boundaries=True))
+    assert [e.live_bytes for e in kept.events if e.phase == "forward"] == [100, 110, 110, 111]
     t = simulate(g, plan)
-    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 111]
+    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 101]
     ends = {e.node: e.live_bytes for e in t.events if e.phase == "backward"}
     # After v1's backward (the stage's last) the checkpoint frame and v0 go: only v0's
     # gradient (100) remains.
@@ -275,8 +288,8 @@ def test_a_reader_of_only_the_shape_keeps_nothing_alive():
     plain_edges = Graph(nodes, edges, {"param_bytes": {}, "saved_refs": {}})
     shaped = Graph(nodes, edges, {"param_bytes": {}, "saved_refs": {}, "shape_edges": [["a", "c"]]})
     plan = make_plan(shaped, [(["a", "b"], "recompute"), (["c"], "keep")], "t")
-    assert make_schedule(shaped, plan).kept == [{"b"}, set()]
-    assert make_schedule(plain_edges, plan).kept == [{"a", "b"}, set()]
+    assert make_schedule(shaped, plan, keep_boundaries=True).kept == [{"b"}, set()]
+    assert make_schedule(plain_edges, plan, keep_boundaries=True).kept == [{"a", "b"}, set()]
     def forward_live(graph: Graph) -> list[int]:
         return [e.live_bytes for e in simulate(graph).events if e.phase == "forward"]
 

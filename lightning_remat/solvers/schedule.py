@@ -16,7 +16,12 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
 - **kept**: a recomputed stage's boundary values (Kusumoto et al.'s ``B(Li)``) and the model
   outputs it makes, kept from the forward and not run again, except random ops (a kept
   random op draws nothing in the recomputation, which would shift the stage's later draws)
-  and in-place ops left in place (their result is the tensor they modified).
+  and in-place ops left in place (their result is the tensor they modified). Keeping costs
+  the executor a selective-checkpoint policy that every op of the stage passes through, in
+  the forward and in the recomputation; a stage where plain checkpoint's early stop already
+  runs none of its boundary again (each boundary value lies after the stage's last saving
+  op, or is that op and it only packs its inputs, see **packed only**) keeps nothing and
+  runs under plain checkpoint, with no Python per op.
 - **recomputed**: the rest of a recomputed stage, ``Vi \\ B(Li)``, run again in the
   backward in forward order, up to the stage's last op that saves anything for the
   backward: torch's non-reentrant checkpoint stops the recomputation (``early_stop``) when
@@ -210,9 +215,11 @@ class Schedule:
 
 
 def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
-                  parts: ScheduleParts | None = None) -> Schedule:
+                  parts: ScheduleParts | None = None, keep_boundaries: bool = False) -> Schedule:
     """``plan`` compiled for ``graph`` (``parts``: :meth:`ScheduleParts.of` the graph,
-    shared between many plans)."""
+    shared between many plans). ``keep_boundaries``: every recomputed stage keeps its
+    boundary, even where plain checkpoint would run none of it again (the stage-cost fold
+    of ``solvers.stage_costs`` counts each boundary in the cache)."""
     parts = parts if parts is not None else ScheduleParts.of(graph)
     position = parts.position
     unknown = [v for s in plan.stages for v in s.nodes if v not in position]
@@ -243,6 +250,11 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
         savers = [i for i, v in enumerate(vertices) if v in parts.saving]
         runs_again = bool(savers)
         reached = vertices[:savers[-1] + 1] if savers else ()
+        if not keep_boundaries and not any(v in kept for v in reached[:-1]) and (
+                not reached or reached[-1] not in kept or reached[-1] in parts.saves_inputs_only):
+            # Plain checkpoint stops where keeping would: no kept value is run again by it
+            # (each lies after the last saving op, or is that op and only packs its inputs).
+            kept = frozenset()
         packed_only = (reached[-1] if reached and reached[-1] not in kept
                        and reached[-1] in parts.saves_inputs_only else None)
         recomputed = tuple(v for v in reached if v not in kept and v != packed_only)

@@ -158,9 +158,10 @@ def stage_overhead_seconds(graph: Graph, n_vertices: int) -> float:
 
 def executor_seconds(graph: Graph, schedule: Schedule) -> float:
     """The executor's own time under a schedule: :func:`stage_overhead_seconds` for each
-    recomputed stage (each runs under checkpoint and its selective policy, even one whose
-    vertices are all kept)."""
-    return sum(stage_overhead_seconds(graph, len(s.vertices)) for s in schedule.stages
+    recomputed stage, with its vertices where it keeps values (its selective policy sees
+    every op of it), with none where it keeps nothing (plain checkpoint runs no Python per
+    op)."""
+    return sum(stage_overhead_seconds(graph, len(s.vertices) if s.kept else 0) for s in schedule.stages
                if s.action == "recompute")
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
+from lightning_remat.solvers.schedule import make_schedule
 from lightning_remat.solvers.simulate import SharedSteps, StepSimulation
 from lightning_remat.solvers.step_memory import Timeline
 
@@ -70,8 +71,10 @@ def stage_costs(graph: Graph, plan: Plan) -> list[StageCost]:
     """The step's peak under ``plan`` as a fold over its stages (see :class:`StageCost`).
     A stage's ``peak_above_cache`` depends only on the stage's vertices and what came before
     it as a set, not on how the earlier vertices were staged, so Kusumoto et al.'s DP over
-    lower sets can use it (``solvers.kusumoto``)."""
-    sim = StepSimulation(graph, plan)
+    lower sets can use it (``solvers.kusumoto``). Every recomputed stage keeps its boundary
+    (``make_schedule``'s ``keep_boundaries``): a boundary a stage leaves to plain checkpoint
+    is held by its readers instead, for no longer, and the fold needs it in the cache."""
+    sim = StepSimulation(graph, plan, schedule=make_schedule(graph, plan, keep_boundaries=True))
     timeline = sim.run() if graph.ids else Timeline()
     peaks = [0] * len(sim.stages)
     for event in timeline.events:
@@ -90,7 +93,8 @@ def stage_cost(graph: Graph, plan: Plan, k: int, shared: SharedSteps | None = No
     either (they leave stage k's backward only their gradients,
     :meth:`SharedSteps.tail_gradients`; what they held of earlier values is gone by then)."""
     shared = shared if shared is not None else SharedSteps(graph)
-    sim = StepSimulation(graph, plan, shared=shared)
+    sim = StepSimulation(graph, plan, shared=shared,
+                         schedule=make_schedule(graph, plan, parts=shared.parts, keep_boundaries=True))
     peak = 0
     if graph.ids:
         if k > 0:
