@@ -169,6 +169,9 @@ class StageProgram:
 
 
 _FUNCTIONAL_NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instance_norm)
+# ATen norms of an exported graph that update their running statistics in place with no
+# write in their schema (running_mean and running_var are their 4th and 5th arguments).
+_ATEN_NORMS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 
 
 def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[..., tuple]]:
@@ -250,8 +253,9 @@ def _build_programs(
             elif node.op == "call_function" and written_attributes(node):
                 # An ATen op of an exported graph writing buffers (batch_norm's statistics).
                 state_buffers.extend(str(a.target) for a in written_attributes(node))
-            elif node.op == "call_function" and node.target in _FUNCTIONAL_NORMS:
-                for arg in list(node.args[1:3]) + [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]:
+            elif node.op == "call_function" and node.target in _FUNCTIONAL_NORMS + _ATEN_NORMS:
+                statistics = node.args[3:5] if node.target in _ATEN_NORMS else node.args[1:3]
+                for arg in list(statistics) + [node.kwargs.get("running_mean"), node.kwargs.get("running_var")]:
                     if isinstance(arg, fx.Node) and arg.op == "get_attr":
                         state_buffers.append(str(arg.target))
         stage_graph.output(tuple(env[name] for name in outputs))

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.schedule import make_schedule
 from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
@@ -161,28 +162,29 @@ def correct_times(graph: Graph, plan: Plan, measured_extra_seconds: float) -> st
     """Set ``graph``'s times so that the model gives ``plan`` the extra time its step
     measured, and say what changed. The model is ``a * R + k * c_stage + n * c_vertex``
     (docs/design.md section 4.7): ``R`` the forward time of what the plan runs again, ``k``
-    its recomputed stages and ``n`` their vertices, ``c_stage`` and ``c_vertex`` the
+    its recomputed stages and ``n`` the vertices of those that run under the selective
+    policy (``Schedule``: those that keep values), ``c_stage`` and ``c_vertex`` the
     executor's own time (``meta.recompute_stage_seconds``, ``meta.recompute_vertex_seconds``)
     and ``a`` a scale of the vertices' times, 1 as profiled. A step slower than predicted
     charges the difference to each recomputed stage (what the executor costs beyond the ops
     it runs again, which the calibration chain measured on other ops than these); a faster
     one takes it off the stage's time, then the vertex's, and what is left off every
     vertex's forward time (the profile's op times were high). The plan's stages, scored
-    again, then predict the measured extra time. A plan that recomputes nothing is not
+    again, then predict the measured extra time (where a changed per-vertex cost moves no
+    stage between the policy and plain checkpoint). A plan that recomputes nothing is not
     corrected ("" returned)."""
     meta = graph.meta
     stage0, vertex0 = float(meta.recompute_stage_seconds or 0.0), float(meta.recompute_vertex_seconds or 0.0)
-    meta.recompute_stage_seconds = meta.recompute_vertex_seconds = 0.0
-    recomputed = predicted_extra_seconds(graph, plan)
-    meta.recompute_stage_seconds = 1.0
-    stages = predicted_extra_seconds(graph, plan) - recomputed
-    meta.recompute_stage_seconds, meta.recompute_vertex_seconds = 0.0, 1.0
-    vertices = predicted_extra_seconds(graph, plan) - recomputed
-    meta.recompute_stage_seconds, meta.recompute_vertex_seconds = stage0, vertex0
-    k, n = round(stages), round(vertices)
+    # k and n as the executor runs the plan now: which stages run under the selective
+    # policy depends on its cost per vertex (``make_schedule``), so the counts are read off
+    # the schedule rather than from the model with its costs set to 0 and 1.
+    schedule = make_schedule(graph, plan)
+    recomputing = [s for s in schedule.stages if s.action == "recompute"]
+    k, n = len(recomputing), sum(len(s.vertices) for s in recomputing if s.kept)
     if k <= 0:
         return ""
-    predicted = recomputed + k * stage0 + n * vertex0
+    predicted = predicted_extra_seconds(graph, plan)
+    recomputed = predicted - k * stage0 - n * vertex0
     off = float(measured_extra_seconds) - predicted
     stage = stage0 + off / k
     if stage >= 0:

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_remat import remat
 from lightning_remat.errors import RematInfeasibleError, TraceError
 from lightning_remat.solvers.plan import Stage
+from lightning_remat.solvers.schedule import make_schedule
 from lightning_remat.solvers.scoring import make_plan
 
 
@@ -205,6 +206,24 @@ def test_varargs_forward_trains_like_plain() -> None:
     plain = copy.deepcopy(model)
     batches = [(torch.randn(256, 8), torch.randn(256, 8)) for _ in range(3)]
     remat_model = remat_recomputing(model, batches[0])
+    train_like_plain(model, remat_model, plain, batches)
+
+
+def test_an_exported_batch_norm_run_again_updates_its_statistics_once() -> None:
+    """An exported capture calls ``aten.batch_norm``, which updates the running statistics in
+    place with no write in its schema: a plan that runs it again in the backward (the
+    memory-centric DP at 90% recomputes both of VarArgs' norms) restores the statistics
+    around the recomputation, as for a BatchNorm module."""
+    torch.manual_seed(0)
+    model = VarArgs()
+    plain = copy.deepcopy(model)
+    batches = [(torch.randn(256, 8), torch.randn(256, 8)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        remat_model = remat(model, batches[0], memory_budget="90%", solver="kusumoto-mc")
+    schedule = make_schedule(remat_model.graph, remat_model.plan)
+    run_again = {v for s in schedule.stages for v in s.recomputed}
+    assert any(remat_model.graph[v].op == "batch_norm" for v in run_again)  # the case at stake
     train_like_plain(model, remat_model, plain, batches)
 
 
