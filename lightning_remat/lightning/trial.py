@@ -494,9 +494,20 @@ class LightningTrial:
                             reserved.append(int(torch.cuda.max_memory_reserved(self.device)))
                         seconds.append(time.perf_counter() - measured[-1][2])
                     peak = max(m[0] for m in measured)
-                    if (planned is None or budget_bytes is None or peak <= budget_bytes
-                            or attempt == TRIAL_REPLANS
-                            or not planner.plan_again(planned, args, kwargs, peak)):
+                    # Every rank plans again, with the highest peak any measured, or none: the
+                    # steps are collectives (DDP's reductions, FSDP's gathers), and a rank
+                    # stepping again alone leaves the others waiting in them.
+                    agreement = DistributedRanks(own_group=True) if world_size() > 1 and planned else None
+                    if agreement is not None:
+                        peak = max(agreement.gather(peak))
+                    done = (planned is None or budget_bytes is None or peak <= budget_bytes
+                            or attempt == TRIAL_REPLANS)
+                    if agreement is not None:
+                        if agreement.any(not done) and not agreement.any(
+                                not planner.plan_again(planned, args, kwargs, peak)):
+                            continue
+                        break
+                    if done or not planner.plan_again(planned, args, kwargs, peak):
                         break
                     # Planned again below the budget by what the step measured over its
                     # prediction (the model's margin raised), and measured again.
