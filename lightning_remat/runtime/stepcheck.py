@@ -170,14 +170,12 @@ def correct_times(graph: Graph, plan: Plan, measured_extra_seconds: float) -> st
     it runs again, which the calibration chain measured on other ops than these); a faster
     one takes it off the stage's time, then the vertex's, and what is left off every
     vertex's forward time (the profile's op times were high). The plan's stages, scored
-    again, then predict the measured extra time (where a changed per-vertex cost moves no
-    stage between the policy and plain checkpoint). A plan that recomputes nothing is not
+    again, then predict the measured extra time. A plan that recomputes nothing is not
     corrected ("" returned)."""
     meta = graph.meta
     stage0, vertex0 = float(meta.recompute_stage_seconds or 0.0), float(meta.recompute_vertex_seconds or 0.0)
-    # k and n as the executor runs the plan now: which stages run under the selective
-    # policy depends on its cost per vertex (``make_schedule``), so the counts are read off
-    # the schedule rather than from the model with its costs set to 0 and 1.
+    # k and n as the executor runs the plan: which stages run under the selective policy
+    # is the schedule's choice (``make_schedule``), so the counts are read off it.
     schedule = make_schedule(graph, plan)
     recomputing = [s for s in schedule.stages if s.action == "recompute"]
     k, n = len(recomputing), sum(len(s.vertices) for s in recomputing if s.kept)
