@@ -143,7 +143,8 @@ def test_a_write_through_a_view_run_on_a_copy_reaches_the_readers_of_the_tensor(
     model = WritesThroughAView()
     plain = copy.deepcopy(model)
     x = torch.randn(2048, 64)
-    planned = remat(model, x, "70%")
+    # Chen's segments split by memory alone: a stage boundary between the write and ``h``.
+    planned = remat(model, x, "90%", solver="chen")
     assert "mul_" in make_schedule(planned.graph, planned.plan).rewritten  # the case at stake
     planned(x).square().mean().backward()
     plain(x).square().mean().backward()

@@ -235,7 +235,15 @@ def test_branch_on_a_step_counter(budget):
     def advance(module, step):
         module.step = step
 
-    _, _, planned, _ = _train_both(Scheduled, budget, advance, steps=5)
+    try:
+        _, _, planned, _ = _train_both(Scheduled, budget, advance, steps=5)
+    except RematInfeasibleError as refused:
+        # The own forward checkpoints whole submodules only, and its first step measures
+        # what the ops between them hold: under a budget the captures held, it may refuse,
+        # naming the smallest budget it holds, which then trains as plain.
+        assert budget is not None and refused.min_budget_bytes is not None, refused
+        assert refused.measured_peak_bytes > refused.budget_bytes
+        _, _, planned, _ = _train_both(Scheduled, refused.min_budget_bytes, advance, steps=5)
     # Captured for steps 0 and 1; the counter changing again, the forward runs as its own
     # (reading the counter live) instead of a capture and a plan per step.
     assert len(planned.variants) == 3

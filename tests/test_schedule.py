@@ -175,9 +175,12 @@ def _writes(op: Any) -> bool:
 _SETUPS: dict[int, tuple[Any, Any]] = {}
 
 
-def _setup(seed: int) -> tuple[nn.Module, torch.Tensor, Any, Any, Any, Schedule]:
+def _setup(seed: int, policy_seconds: float | None = None) -> tuple[nn.Module, torch.Tensor, Any, Any, Any, Schedule]:
     """A generated model, its input, its trace, its profiled graph, a random plan on it
-    and the plan's schedule (the trace and profile are made once per seed)."""
+    and the plan's schedule (the trace and profile are made once per seed).
+    ``policy_seconds``: what the selective policy costs per op (a second: every stage
+    whose outputs the step does not hold runs under plain checkpoint, its kept values
+    run again)."""
     torch.manual_seed(seed)
     model = Generated(seed)
     x = torch.randn(BATCH, WIDTH)
@@ -185,6 +188,9 @@ def _setup(seed: int) -> tuple[nn.Module, torch.Tensor, Any, Any, Any, Schedule]
         traced = trace_module(model, (x.clone(),))
         _SETUPS[seed] = traced, profile_module(model, x.clone(), traced=traced, warmup=0, repeats=1)
     traced, graph = _SETUPS[seed]
+    if policy_seconds is not None:
+        graph = copy.deepcopy(graph)
+        graph.meta.recompute_vertex_seconds = policy_seconds
     plan = random_plan(graph, seed)
     return model, x, traced, graph, plan, make_schedule(graph, plan)
 
@@ -192,9 +198,10 @@ def _setup(seed: int) -> tuple[nn.Module, torch.Tensor, Any, Any, Any, Schedule]
 SEEDS = list(range(int(__import__("os").environ.get("SCHEDULE_SEEDS", "16"))))
 
 
+@pytest.mark.parametrize("policy_seconds", [None, 1.0])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_the_executor_runs_again_exactly_what_the_schedule_recomputes(seed: int) -> None:
-    model, x, traced, graph, plan, schedule = _setup(seed)
+def test_the_executor_runs_again_exactly_what_the_schedule_recomputes(seed: int, policy_seconds: float | None) -> None:
+    model, x, traced, graph, plan, schedule = _setup(seed, policy_seconds)
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
     expected = _names(expected_recomputation(schedule, ops_per_vertex(traced, x, model)))
 
@@ -220,9 +227,10 @@ def test_the_executor_runs_again_exactly_what_the_schedule_recomputes(seed: int)
         remaining.remove(name)
 
 
+@pytest.mark.parametrize("policy_seconds", [None, 1.0])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_the_simulator_steps_through_the_schedule(seed: int) -> None:
-    _, _, _, graph, plan, schedule = _setup(seed)
+def test_the_simulator_steps_through_the_schedule(seed: int, policy_seconds: float | None) -> None:
+    _, _, _, graph, plan, schedule = _setup(seed, policy_seconds)
     steps = [("recompute" if s.phase == "hand_on" else s.phase, s.vertex, s.stage)
              for s in schedule.steps() if s.vertex is not None]
     events = [(e.phase, e.node, e.stage) for e in simulate(graph, plan).events]
@@ -231,9 +239,10 @@ def test_the_simulator_steps_through_the_schedule(seed: int) -> None:
     assert events == steps
 
 
+@pytest.mark.parametrize("policy_seconds", [None, 1.0])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_scheduled_step_trains_as_plain(seed: int) -> None:
-    model, x, traced, graph, plan, _ = _setup(seed)
+def test_a_scheduled_step_trains_as_plain(seed: int, policy_seconds: float | None) -> None:
+    model, x, traced, graph, plan, _ = _setup(seed, policy_seconds)
     plain = Generated(seed)
     plain.load_state_dict(model.state_dict())
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
@@ -259,6 +268,12 @@ def test_a_stage_left_to_plain_checkpoint_runs_the_same_again_and_holds_no_more(
     kept = make_schedule(graph, plan, keep_boundaries=True)
     assert [s.recomputed for s in schedule.stages] == [s.recomputed for s in kept.stages]
     assert simulate(graph, plan).peak_bytes <= simulate(graph, plan, schedule=kept).peak_bytes
+    # Where the policy costs more than running the kept values again, they run again: more
+    # is recomputed, and still no more is held.
+    _, _, _, costly, plan, schedule = _setup(seed, 1.0)
+    for plain, keeping in zip(schedule.stages, kept.stages):
+        assert set(plain.recomputed) >= set(keeping.recomputed)
+    assert simulate(costly, plan).peak_bytes <= simulate(costly, plan, schedule=kept).peak_bytes
 
 
 def test_the_schedule_is_the_plan_compiled_once() -> None:

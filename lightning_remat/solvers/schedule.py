@@ -250,10 +250,7 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
         savers = [i for i, v in enumerate(vertices) if v in parts.saving]
         runs_again = bool(savers)
         reached = vertices[:savers[-1] + 1] if savers else ()
-        if not keep_boundaries and not any(v in kept for v in reached[:-1]) and (
-                not reached or reached[-1] not in kept or reached[-1] in parts.saves_inputs_only):
-            # Plain checkpoint stops where keeping would: no kept value is run again by it
-            # (each lies after the last saving op, or is that op and only packs its inputs).
+        if not keep_boundaries and _plain_checkpoint_is_cheaper(graph, vertices, kept, reached, parts):
             kept = frozenset()
         packed_only = (reached[-1] if reached and reached[-1] not in kept
                        and reached[-1] in parts.saves_inputs_only else None)
@@ -263,6 +260,27 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             frozenset(v for v in vertices if v in rewritten), runs_again,
             not parts.random_recorded or any(v in parts.random for v in recomputed), packed_only, reached))
     return Schedule(tuple(stages))
+
+
+def _plain_checkpoint_is_cheaper(graph: Graph, vertices: tuple[str, ...], kept: frozenset[str],
+                                 reached: tuple[str, ...], parts: ScheduleParts) -> bool:
+    """Whether a recomputed stage runs under plain checkpoint rather than keep its boundary
+    (the module docstring's **kept**): where plain checkpoint's early stop runs none of the
+    kept values again (each lies after the last saving op, or is that op and only packs its
+    inputs), or where the forward time of those it would run again is less than what the
+    selective policy costs on the stage's ops (``meta.recompute_vertex_seconds`` per
+    vertex, docs/design.md section 4.7). A value run again rather than kept takes no more
+    memory: kept, it is held from the forward to the recomputation; run again, it is made
+    when the recomputation reaches it, its readers' backward done (a model output, which
+    the step may hold to its end, stays kept)."""
+    again = [v for v in reached if v in kept
+             and not (v == reached[-1] and v in parts.saves_inputs_only)]
+    if not again:
+        return True
+    if any(v in parts.outputs for v in again):
+        return False  # the step may hold its outputs: run again, one would be made twice
+    per_vertex = float(graph.meta.recompute_vertex_seconds or 0.0)
+    return sum(graph[v].t_fwd for v in again) < per_vertex * len(vertices)
 
 
 def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
