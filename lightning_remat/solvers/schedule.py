@@ -10,8 +10,9 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
   is recomputed (``t`` here is every value made before ``v`` in the storage it writes: an
   Identity or a view between a batch norm and its in-place activation hides none); when another stage reads ``t`` and is recomputed or runs on the other side
   of ``v`` (a reader before ``v`` in program order placed in a later stage, or after it in
-  an earlier one); when ``v`` is recomputed and its result, or ``t`` in its own stage,
-  crosses the stage boundary; and when ``t`` is a step input that ``v``'s recomputed stage,
+  an earlier one); when ``v`` is recomputed in a stage that keeps values (under the
+  selective policy, which would hand on a kept value ``v`` then modified) and its result,
+  or ``t`` in its own stage, crosses the stage boundary; and when ``t`` is a step input that ``v``'s recomputed stage,
   or another recomputed stage that reads the inputs, would see modified.
 - **kept**: a recomputed stage's boundary values (Kusumoto et al.'s ``B(Li)``) and the model
   outputs it makes, kept from the forward and not run again, except random ops (a kept
@@ -235,23 +236,25 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             for a, vs in zip(actions, ordered)), whole_stages=True)
     stage_of = {v: k for k, vs in enumerate(ordered) for v in vs}
     rewritten = _rewritten(parts, stage_of, actions)
+    plain = set()
+    for k, vertices in enumerate(ordered):
+        if actions[k] == "recompute" and not keep_boundaries and _plain_checkpoint_is_cheaper(
+                graph, vertices, _boundary(parts, stage_of, k, vertices, rewritten),
+                _reached(parts, vertices), parts):
+            plain.add(k)
+    if plain:
+        # A stage under plain checkpoint keeps no value for the policy to hand on, so only
+        # the in-place ops whose overwritten value a recomputation reads run out of place.
+        rewritten = _rewritten(parts, stage_of, actions, plain)
     stages = []
     for k, vertices in enumerate(ordered):
         if actions[k] != "recompute":
             stages.append(StageSchedule(actions[k], vertices,
                                         rewritten=frozenset(v for v in vertices if v in rewritten)))
             continue
-        kept = frozenset(
-            v for v in vertices
-            if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
-            and v not in parts.random
-            and (v in rewritten or v not in parts.inplace)
-        )
-        savers = [i for i, v in enumerate(vertices) if v in parts.saving]
-        runs_again = bool(savers)
-        reached = vertices[:savers[-1] + 1] if savers else ()
-        if not keep_boundaries and _plain_checkpoint_is_cheaper(graph, vertices, kept, reached, parts):
-            kept = frozenset()
+        kept = frozenset() if k in plain else _boundary(parts, stage_of, k, vertices, rewritten)
+        reached = _reached(parts, vertices)
+        runs_again = bool(reached)
         packed_only = (reached[-1] if reached and reached[-1] not in kept
                        and reached[-1] in parts.saves_inputs_only else None)
         recomputed = tuple(v for v in reached if v not in kept and v != packed_only)
@@ -260,6 +263,23 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             frozenset(v for v in vertices if v in rewritten), runs_again,
             not parts.random_recorded or any(v in parts.random for v in recomputed), packed_only, reached))
     return Schedule(tuple(stages))
+
+
+def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: tuple[str, ...],
+              rewritten: set[str]) -> frozenset[str]:
+    """The values recomputed stage ``k`` keeps under the selective policy (the module
+    docstring's **kept**)."""
+    return frozenset(
+        v for v in vertices
+        if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
+        and v not in parts.random
+        and (v in rewritten or v not in parts.inplace))
+
+
+def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:
+    """A recomputed stage's vertices up to its last saving op (checkpoint's early stop)."""
+    savers = [i for i, v in enumerate(vertices) if v in parts.saving]
+    return vertices[:savers[-1] + 1] if savers else ()
 
 
 def _plain_checkpoint_is_cheaper(graph: Graph, vertices: tuple[str, ...], kept: frozenset[str],
@@ -311,8 +331,10 @@ def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str]) -> set[str]:
-    """The in-place ops that run out of place under a plan (the module docstring's rule)."""
+def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str],
+               plain: set[int] | frozenset[int] = frozenset()) -> set[str]:
+    """The in-place ops that run out of place under a plan (the module docstring's rule;
+    in a stage of ``plain``, under plain checkpoint, not for a value crossing its boundary)."""
     if not parts.inplace:
         return set()
     recomputed = [a == "recompute" for a in actions]
@@ -340,6 +362,7 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
                        and (recomputed[stage_of[w]]
                             or (position[w] < position[v]) != (stage_of[w] < s))
                        for x in held for w in succ[x])
-                or (recomputed[s] and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)))):
+                or (recomputed[s] and s not in plain
+                    and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)))):
             rewritten.add(v)
     return rewritten
