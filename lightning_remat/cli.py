@@ -327,7 +327,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     out = write_png(report, args.out or report.event_dir / "remat_timeline.png")
     print(plan_text_for_terminal(report.plan_text) if report.plan_text else "(no plan table logged)")
     if report.measured:
-        print(f"\ntimeline maximum: measured {format_bytes(max(report.measured))}, "
+        print(f"\ntimeline peak: measured {format_bytes(max(report.measured))}, "
               f"predicted {format_bytes(max(report.predicted))}")
     print(f"timeline written to {out}")
     return 0

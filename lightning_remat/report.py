@@ -187,14 +187,13 @@ def timeline_figure(
     measured: Sequence[float], predicted: Sequence[float], budget: float | None, title: str,
     *, n_forward: int | None = None, stage_starts: Sequence[int] = (),
 ) -> Any:
-    """Measured and predicted live bytes per op, the forward shaded, stage boundaries drawn,
-    the budget as a line (a matplotlib figure)."""
-    import matplotlib
+    """Measured and predicted bytes per op (each op's highest), the forward shaded, stage
+    boundaries drawn, the budget as a line: a matplotlib ``Figure`` made without pyplot, so
+    the user's backend and pyplot's figures are left as they were."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig = Figure(figsize=(10, 4.5))
+    ax = fig.subplots()
     mib = 2**20
     ax.plot([v / mib for v in predicted], label="predicted", color="tab:orange")
     if measured:
@@ -206,7 +205,7 @@ def timeline_figure(
     for i in stage_starts:
         ax.axvline(i, color="0.6", linewidth=0.6, zorder=1)
     ax.set_xlabel("op index (forward, then backward)")
-    ax.set_ylabel("live MiB above the step's start")
+    ax.set_ylabel("MiB during the op, above the step's start")
     ax.set_title(title)
     ax.legend(loc="upper right")
     fig.tight_layout()
@@ -265,11 +264,8 @@ def read_run(run_dir: str | Path) -> RunReport:
 
 def write_png(report: RunReport, path: str | Path) -> Path:
     """The run's timeline as a PNG."""
-    import matplotlib.pyplot as plt
-
     fig = timeline_figure(report.measured, report.predicted, report.budget,
                           f"lightning-remat timeline: {report.event_dir}")
     path = Path(path)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -58,7 +58,9 @@ def test_strategy_adds_the_logger_and_writes_every_tag(remat_run):
     assert 0 < predicted <= budget
     entry = trainer.strategy.planner.last
     series = [e.value for e in acc.Scalars("remat/timeline/predicted")]
-    assert series == pytest.approx([e.live_bytes for e in entry.predicted_timeline().events], rel=1e-6)
+    assert series == pytest.approx([e.peak_bytes for e in entry.predicted_timeline().events], rel=1e-6)
+    # Each op's highest bytes: the line's top is the plan's predicted peak.
+    assert max(series) == pytest.approx(entry.plan.predicted_peak_bytes, rel=1e-6)
     measured = acc.Scalars("remat/timeline/measured")
     assert len(measured) > len(entry.graph)  # forward and backward ops
 
@@ -94,6 +96,26 @@ def test_report_writes_a_png_and_prints_the_plan(remat_run, tmp_path, capsys):
     assert "stage  action" in text and "recompute" in text and "  solver: " in text
     assert "**" not in text and "|---" not in text and "`" not in text
     assert text.splitlines()[0].startswith("run: ")
+    # The timeline's predicted peak is the one the plan's summary states.
+    summary = next(line for line in text.splitlines() if line.strip().startswith("predicted peak"))
+    timeline = next(line for line in text.splitlines() if line.startswith("timeline peak:"))
+    assert timeline.endswith("predicted " + summary.split(":", 1)[1].strip()), (summary, timeline)
+
+
+def test_the_timeline_figure_leaves_matplotlibs_backend_and_figures_as_they_were(remat_run, tmp_path):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")  # a backend of the user's, not the Agg a PNG needs
+    try:
+        figures = plt.get_fignums()
+        log_dir, _ = remat_run
+        assert cli_main(["report", str(log_dir), "--out", str(tmp_path / "t.png")]) == 0
+        assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == figures
+    finally:
+        plt.switch_backend(before)
 
 
 def test_report_on_a_dir_without_logs_says_what_to_do(tmp_path, capsys):

@@ -7,7 +7,8 @@ Tags written (all under ``remat/``):
   ``remat/predicted_peak_bytes``, ``remat/step_seconds``, ``remat/extra_time_ratio``
   (step time over the profiled plain step);
 - whenever a plan is made: the figure ``remat/timeline`` (matplotlib), the scalar series
-  ``remat/timeline/measured`` and ``remat/timeline/predicted`` (x: op index), the text
+  ``remat/timeline/measured`` and ``remat/timeline/predicted`` (x: op index; y: the
+  highest bytes during each op, so each series' maximum is that step's peak), the text
   ``remat/plan`` (markdown table), hparams, and a custom-scalars layout that puts measured,
   predicted and the budget on one chart.
 
@@ -168,10 +169,12 @@ class MemoryTimelineLogger(pl.Callback):
     def _log_plan(self, trainer: Any, writer: Any, entry: Any, step: int, measured_peak: int | None = None) -> None:
         predicted = entry.predicted_timeline()
         measured: list[int] = []
+        # Each op's highest bytes (not what is live after it): the series' maxima are the
+        # step's peaks, the plan summary's predicted peak and the step's measured one.
         if self.timeline and entry.example is not None and self._replays(trainer):
-            measured = [p.live_bytes for p in entry.measure_timeline()]
+            measured = [p.peak_bytes for p in entry.measure_timeline()]
         for i, e in enumerate(predicted.events):
-            writer.add_scalar(f"{TAG}/timeline/predicted", e.live_bytes, i)
+            writer.add_scalar(f"{TAG}/timeline/predicted", e.peak_bytes, i)
         for i, value in enumerate(measured):
             writer.add_scalar(f"{TAG}/timeline/measured", value, i)
         if entry.budget_bytes:
@@ -180,7 +183,7 @@ class MemoryTimelineLogger(pl.Callback):
         title = f"{entry.plan.solver}: step {step}, {len(entry.plan.stages)} stages"
         events = predicted.events
         figure = timeline_figure(
-            measured, [e.live_bytes for e in events], entry.budget_bytes, title,
+            measured, [e.peak_bytes for e in events], entry.budget_bytes, title,
             n_forward=sum(1 for e in events if e.phase == "forward"),
             stage_starts=[i for i in range(1, len(events)) if events[i].stage != events[i - 1].stage],
         )
