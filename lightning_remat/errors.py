@@ -19,10 +19,12 @@ class RematInfeasibleError(RematError):
     method reaches (None when it is not known)."""
 
     def __init__(self, budget_bytes: int, min_budget_bytes: int | None, tried: str = "",
-                 measured_peak_bytes: int | None = None) -> None:
+                 measured_peak_bytes: int | None = None, *, cause: str = "") -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = None if min_budget_bytes is None else int(min_budget_bytes)
         self.tried = tried
+        self.cause = cause
+        """Why the smallest budget is high, where it is known (a coarse capture)."""
         self.measured_peak_bytes = None if measured_peak_bytes is None else int(measured_peak_bytes)
         """The training step's measured peak, where the refusal comes from a step measured
         over the budget (planned again and still over, or with no plan left that fits)."""
@@ -42,7 +44,14 @@ class RematInfeasibleError(RematError):
                 f"({self.min_budget_bytes} bytes): raise memory_budget to at least that,"
                 " or lower the batch size"
             )
+        if cause:
+            message += f". {cause}"
         super().__init__(message)
+
+    def because(self, cause: str) -> RematInfeasibleError:
+        """The same refusal with ``cause`` said after it."""
+        return RematInfeasibleError(self.budget_bytes, self.min_budget_bytes, self.tried,
+                                    self.measured_peak_bytes, cause=cause)
 
 
 class SolverDeclinedError(RematInfeasibleError):

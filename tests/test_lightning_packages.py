@@ -126,6 +126,22 @@ def test_the_lightning_pytorch_classes_are_that_packages_own_and_pickle():
     assert isinstance(L.Trainer(strategy="remat", accelerator="cpu", logger=False).strategy, RematStrategy)
 
 
+@pytest.mark.parametrize("given", ["pytorch_lightning", "lightning"])
+def test_a_strategy_given_to_the_other_packages_trainer_says_which_class_it_takes(given):
+    """Lightning refuses the other package's strategy naming it by its repr: ours says
+    which Trainer takes which class."""
+    import lightning as L
+
+    from lightning_remat.unified import RematStrategy as UnifiedStrategy
+
+    strategy, trainer, takes = ((RematStrategy, L.Trainer, r"lightning\.Trainer takes lightning_remat\.unified\.RematStrategy")
+                                if given == "pytorch_lightning" else
+                                (UnifiedStrategy, pl.Trainer,
+                                 r"pytorch_lightning\.Trainer takes lightning_remat\.lightning\.RematStrategy"))
+    with pytest.raises(ValueError, match=takes):
+        trainer(strategy=strategy(memory_budget="50%"), accelerator="cpu", logger=False)
+
+
 # ---- planning what training_step runs ----------------------------------------------------------
 def _mlp(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])

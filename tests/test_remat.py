@@ -235,25 +235,27 @@ def test_non_tensor_flag_is_specialised_and_replanned() -> None:
     train_side_by_side(model, remat_model, plain, batches)
 
 
+class Branchy(nn.Module):
+    """Data-dependent control flow: fx cannot trace it; its submodules are checkpointed
+    where its own forward calls them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU())
+        self.b = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.c = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.2), nn.Tanh())
+        self.d = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.e = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() < -1e9:  # never true, but fx cannot know
+            h = -h
+        return self.e(self.d(self.c(self.b(h))))
+
+
+
 def test_untraceable_fallback_trains_as_plain() -> None:
-    class Branchy(nn.Module):
-        """Data-dependent control flow: fx cannot trace it; its submodules are checkpointed
-        where its own forward calls them."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.ReLU())
-            self.b = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
-            self.c = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.2), nn.Tanh())
-            self.d = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
-            self.e = nn.Linear(32, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.a(x)
-            if h.sum() < -1e9:  # never true, but fx cannot know
-                h = -h
-            return self.e(self.d(self.c(self.b(h))))
-
     torch.manual_seed(0)
     model = Branchy()
     plain = copy.deepcopy(model)
@@ -265,6 +267,22 @@ def test_untraceable_fallback_trains_as_plain() -> None:
     assert remat_model.plan.count("recompute") >= 1
     batches = [((torch.randn(256, 6),), {}) for _ in range(3)]
     train_side_by_side(model, remat_model, plain, batches)
+
+
+def test_a_budget_beyond_the_coarse_capture_is_refused_naming_the_capture() -> None:
+    """Refused, the error says that the capture is coarse, why (what torch.fx and
+    torch.export rejected) and what captures the forward at op granularity."""
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(256, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the capture's own warning
+        with pytest.raises(RematInfeasibleError) as refused:
+            remat(model, x, memory_budget="5%")
+    message = str(refused.value)
+    assert refused.value.min_budget_bytes is not None and "smallest feasible budget" in message
+    assert "captured coarsely" in message and "5 submodules" in message
+    assert "torch.fx:" in message and "traceable" in message
+    remat(Branchy(), x, memory_budget=refused.value.min_budget_bytes)  # the budget it names holds
 
 
 # ---- changed shapes ---------------------------------------------------------------------------

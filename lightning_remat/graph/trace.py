@@ -154,6 +154,19 @@ class Traced:
                     f"kept or recomputed whole: {', '.join(name for name, _ in self.children)} ({why})")
         return f"capture: torch.fx, {count} vertices"
 
+    def coarse_cause(self) -> str:
+        """For the fallback, why a refused budget is out of reach and what captures the
+        forward finely; "" for a capture at op granularity."""
+        if self.kind != CHILDREN:
+            return ""
+        fix = ("call it with use_cache=False" if "Cache" in (self.export_failure or "")
+               else "make its forward traceable by torch.fx or torch.export")
+        return (f"The model was captured coarsely: its own forward runs with {len(self.graph)} "
+                f"submodules, each kept or recomputed whole (torch.fx: {self.fx_failure}"
+                + (f"; torch.export: {self.export_failure}" if self.export_failure else "")
+                + f"): no plan goes below what recomputing them whole reaches; for a plan at op "
+                f"granularity, {fix}")
+
     @property
     def runner(self) -> fx.GraphModule:
         """The GraphModule that runs the forward node by node (fx only: the fallback runs

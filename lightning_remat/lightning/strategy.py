@@ -145,6 +145,15 @@ class RematHooks:
         self._planning_paused = False
         self._step_budget = StepBudget(memory_budget)  # the step's modules share one budget
 
+    def __repr__(self) -> str:
+        # Lightning's Trainer names a strategy it refuses (one of the other Lightning
+        # package's) by its repr: this one says which Trainer takes which class.
+        mine = pl.__name__.replace(".pytorch", "")  # "pytorch_lightning" or "lightning"
+        other, ours = (("lightning", "lightning_remat.unified") if mine == "pytorch_lightning"
+                       else ("pytorch_lightning", "lightning_remat.lightning"))
+        return (f"{type(self).__name__}(memory_budget={self.remat_settings.memory_budget!r}), the "
+                f"strategy of {mine}.Trainer; {other}.Trainer takes {ours}.{type(self).__name__}")
+
     @property
     def planner(self) -> Planner | None:
         """The planner of the planned module (with several, of the first the step ran)."""

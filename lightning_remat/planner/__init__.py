@@ -546,14 +546,20 @@ class Planner(FirstStepCheck, StoredPlans):
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")
         try:
-            plan = accepted_plan(graph, budget, self.settings.solver, options, traced.kind == CHILDREN)
+            try:
+                plan = accepted_plan(graph, budget, self.settings.solver, options, traced.kind == CHILDREN)
+            except RematInfeasibleError as refused:
+                if getattr(self, "step_budget", None) is None or isinstance(refused, SolverDeclinedError) \
+                        or self.ranks is not None or self.sharding != "none":
+                    raise
+                # Another module of the step gives up what this one needs, or the step refuses.
+                budget = self._budget_read = self.step_budget.over(self, refused)
+                plan = accepted_plan(graph, budget, self.settings.solver, options, traced.kind == CHILDREN)
         except RematInfeasibleError as refused:
-            if getattr(self, "step_budget", None) is None or isinstance(refused, SolverDeclinedError) \
-                    or self.ranks is not None or self.sharding != "none":
+            cause = traced.coarse_cause()
+            if not cause or isinstance(refused, SolverDeclinedError) or refused.cause:
                 raise
-            # Another module of the step gives up what this one needs, or the step refuses.
-            budget = self._budget_read = self.step_budget.over(self, refused)
-            plan = accepted_plan(graph, budget, self.settings.solver, options, traced.kind == CHILDREN)
+            raise refused.because(cause) from None
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,

@@ -297,7 +297,8 @@ class FirstStepCheck:
             # raises is what that plan measured over: a step's excess varies between plans
             # by bytes to pages, so the budget named holds that variation too.
             least = int(max(int(least), int(peak)) * (1 + REFUSAL_SLACK)) + 1
-        raise RematInfeasibleError(budget, least, measured_peak_bytes=peak)
+        cause = planned.traced.coarse_cause() if planned.traced is not None else ""
+        raise RematInfeasibleError(budget, least, measured_peak_bytes=peak, cause=cause)
 
     def plan_again(self, planned: Planned, args: tuple, kwargs: dict, measured_peak: int) -> bool:
         """Plan ``planned``'s input again after a step of it measured ``measured_peak``, over
