@@ -173,18 +173,20 @@ def test_a_gradient_added_into_a_broadcast_one_takes_a_buffer_of_its_own():
 def test_recomputed_stage_keeps_its_inputs_until_its_backward_ends():
     from lightning_remat.solvers.schedule import make_schedule
 
-    # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep); nothing saved, so what stays live
-    # between forward and backward is only what the checkpoint keeps: its input v0, and its
-    # boundary value v2 where the stage keeps it (keep_boundaries). Left to plain checkpoint
-    # (nothing of the stage runs again either way), v2 goes once v3 has read it.
-    nodes = [Node(f"v{i}", "op", mem=m) for i, m in enumerate([100, 10, 10, 1])]
-    g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3")],
-              {"saved_refs": {}, "outputs": ["v3"]})
-    plan = make_plan(g, [(["v0"], "keep"), (["v1", "v2"], "recompute"), (["v3"], "keep")], "t")
+    # v0 (keep) -> v1 -> v2 (recompute) -> v3 (keep) -> v4 (keep); nothing saved, so what
+    # stays live between forward and backward is only what the checkpoint keeps: its input
+    # v0, and its boundary value v2 where the stage keeps it (keep_boundaries). Left to
+    # plain checkpoint (nothing of the stage runs again either way), v2 goes once the stage
+    # that reads it, v3's, has returned (the executor passes it as an argument).
+    nodes = [Node(f"v{i}", "op", mem=m) for i, m in enumerate([100, 10, 10, 1, 1])]
+    g = Graph(nodes, [("v0", "v1"), ("v1", "v2"), ("v2", "v3"), ("v3", "v4")],
+              {"saved_refs": {}, "outputs": ["v4"]})
+    plan = make_plan(g, [(["v0"], "keep"), (["v1", "v2"], "recompute"), (["v3"], "keep"),
+                         (["v4"], "keep")], "t")
     kept = simulate(g, plan, schedule=make_schedule(g, plan, keep_boundaries=True))
-    assert [e.live_bytes for e in kept.events if e.phase == "forward"] == [100, 110, 110, 111]
+    assert [e.live_bytes for e in kept.events if e.phase == "forward"] == [100, 110, 110, 111, 112]
     t = simulate(g, plan)
-    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 101]
+    assert [e.live_bytes for e in t.events if e.phase == "forward"] == [100, 110, 110, 111, 102]
     ends = {e.node: e.live_bytes for e in t.events if e.phase == "backward"}
     # After v1's backward (the stage's last) the checkpoint frame and v0 go: only v0's
     # gradient (100) remains.
@@ -197,11 +199,12 @@ def test_offload_plan_frees_saved_state_between_forward_and_backward():
     t = simulate(g, plan)
     fwd = phases(t, "forward")
     # v1's forward holds both of its stage's saved blocks (40 at its peak); when the stage
-    # ends they leave the device: v2 starts from v1's value alone.
-    assert fwd[1] == ("v1", 30, 40) and fwd[2] == ("v2", 20, 30)
+    # ends they leave the device: v2 starts from v1's value alone, which the next stage's
+    # call holds until it returns.
+    assert fwd[1] == ("v1", 30, 40) and fwd[2] == ("v2", 30, 30)
     restore = [e for e in t.events if e.phase == "restore"]
     assert len(restore) == 1 and restore[0].live_bytes == 10 + 20  # v1's grad + copies
-    assert t.peak_bytes == 40 < simulate(g).peak_bytes
+    assert t.peak_bytes == 50 < simulate(g).peak_bytes
 
 
 def random_dag(n: int, seed: int) -> Graph:

@@ -10,7 +10,8 @@ The model is PyTorch eager's freeing behaviour, the memory model of Hong et al. 
   outputs, ``meta.outputs_held``: the loop people write), by every op that saved it for backward
   (``meta.saved_refs``) until that op's backward has run, and by every recomputed stage
   that reads it (non-reentrant checkpoint keeps its inputs) until that stage's backward
-  has finished.
+  has finished, and by every other stage that reads it until that stage's forward has
+  returned (the executor passes a stage the values it reads as arguments).
 - **The random-number state.** ``torch.utils.checkpoint`` (``preserve_rng_state=True``, as
   the executors run a stage that draws random numbers, the schedule's ``draws_random``)
   stashes the CPU generator's state (``torch.get_rng_state()``, a
@@ -297,6 +298,12 @@ class StepSimulation(VertexFacts):
             self.kept_bytes[k] += self.shared.rng_state_bytes
         for v in self.stages[k]:
             self._forward_op(k, v, in_closure)
+        if self.actions[k] != "recompute":
+            # The executor calls a stage with the values it reads from earlier stages as
+            # arguments (runtime.module): they are held until the stage returns, not only
+            # until the stage's last op that reads them.
+            for key in in_closure:
+                self.mem.release(key)
         if self.actions[k] == "offload":
             # What the stage saved is copied to the host: the device references go.
             for v in self.stages[k]:
@@ -341,6 +348,12 @@ class StepSimulation(VertexFacts):
                     self.closure[k].append(key)
         else:
             self._save_for_backward(v, [("val", base[r]) for r in self.saved_refs[v]])
+            stage_of = self.stage_of
+            for u in preds:
+                key = ("val", base[u])
+                if stage_of[u] != k and key not in in_closure:
+                    in_closure.add(key)  # held by the stage's call (forward_stage)
+                    mem.hold(key)
         peak = mem.live + transient
         for u in preds:
             bu = base[u]
