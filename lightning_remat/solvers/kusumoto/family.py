@@ -118,6 +118,7 @@ class LowerSetFamily:
         self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
         self.time_kept = kept.astype(np.float64) @ bits.keepable_time
         self.count_set = member.sum(axis=1, dtype=np.int64)
+        self.output_set = (member & bits.output).sum(axis=1, dtype=np.int64)
 
     @property
     def size(self) -> int:
@@ -129,7 +130,9 @@ class LowerSetFamily:
         adds (its kept boundary values with their extra saved outputs), its extra time,
         the forward time of what it recomputes (eq. 1: ``time(Vi \\ B(Li))``, 0 for the last
         stage), and the executor's own time for the stage (``simulate.stage_overhead_seconds``,
-        0 for the last). See the package docstring for the stage memory."""
+        0 for the last). A stage whose kept values cost less to run again than the selective
+        policy on its ops runs under plain checkpoint (``solvers.schedule``): its extra time
+        is then the whole stage's, and its own time ``c_stage`` alone. See the package docstring for the stage memory."""
         hit = self._cache.get(j)
         if hit is not None:
             return hit
@@ -163,15 +166,16 @@ class LowerSetFamily:
             overhead = extra_time
         else:
             stage_time = self.time_set[j] - self.time_set[sources]
-            extra_time = np.maximum(stage_time - (self.time_kept[j] - time_before), 0.0)
-            # Every recomputed stage runs under checkpoint: the executor's own time, its
-            # per-vertex part charged to every stage, also to those the executor then runs
-            # under plain checkpoint (``solvers.schedule``), as a bound on what a stage costs
-            # beyond c_stage: without it the DP chose 46-53 stages on DenseNet-121 and
-            # ResNet-50 that measured far over their prediction (docs/design.md section 4.7).
+            kept_time = self.time_kept[j] - time_before
+            # Every recomputed stage runs under checkpoint: the executor's own time. Where
+            # running its kept values again costs less than the selective policy on its
+            # ops, and none is a model output, it runs under plain checkpoint and runs them
+            # again (``solvers.schedule``, as the executor does).
             per_vertex = stage_overhead_seconds(bits.graph, 1) - stage_overhead_seconds(bits.graph, 0)
-            overhead = (stage_overhead_seconds(bits.graph, 0)
-                        + (self.count_set[j] - self.count_set[sources]) * per_vertex)
+            policy = (self.count_set[j] - self.count_set[sources]) * per_vertex
+            plain = (self.output_set[j] == self.output_set[sources]) & (kept_time < policy)
+            extra_time = np.maximum(stage_time - np.where(plain, 0.0, kept_time), 0.0)
+            overhead = stage_overhead_seconds(bits.graph, 0) + np.where(plain, 0.0, policy)
         result = (sources, stage_mem.astype(np.int64), cache_add.astype(np.int64), extra_time, overhead)
         if self._cached_entries + sources.size <= _TRANSITION_CACHE_ENTRIES:
             self._cache[j] = result
