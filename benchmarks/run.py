@@ -14,8 +14,10 @@ predicted extra time and own runtime on the same profiled graph.
 measured peak becomes the budget of ``auto``, ``kusumoto-tc``, ``kusumoto-mc``, ``feng``,
 ``hong-linear`` and ``chen``, measured in the same run and harness.
 
-Our plans: the model is profiled once per run (a fresh process, ``plan_all``), every plan of
-the run (each solver at each budget) is made on that profile as ``remat()`` makes it, and
+Our plans: the model is profiled once per run (a fresh process, ``plan_all``), with the
+executor's time per recomputed stage measured on it as ``remat()`` measures it before it
+chooses; every plan of the run (each solver at each budget) is made on that profile as
+``remat()`` makes it (without the first step's check, which would change each plan), and
 each distinct plan is measured once, in a fresh process, through ``apply_plan``; the graph
 and the plans are kept in ``benchmarks/results/run/<tag>/plans/`` (``lightning-remat simulate``
 scores them again). Every measured plan's predicted peak and extra time sit beside the
@@ -374,6 +376,7 @@ def plan_all(model_name: str, device_name: str, batch: int, size: int,
     model, x = model.to(device).train(), x.to(device)
     start = time.perf_counter()
     graph = _plain_graph(model, x)
+    _calibrate(model, x, graph, device)
     profile_seconds = time.perf_counter() - start
     step = graph.meta.step_seconds or sum(n.t_fwd + n.t_bwd for n in graph.nodes)
     lines: dict[str, int] = {}
@@ -428,6 +431,38 @@ def _plain_graph(model, x):
     import lightning_remat
 
     return lightning_remat.remat(model, x, memory_budget=None, solver="plain", loss_fn=step_loss).graph
+
+
+def _calibrate(model, x, graph, device) -> None:
+    """The executor's time per recomputed stage measured on the model's own step, as
+    ``remat()`` measures it before it chooses a plan (docs/design.md section 4.7): the
+    calibration plan's step timed against the plain step."""
+    import torch
+
+    from lightning_remat import apply_plan
+    from lightning_remat.graph.effects import preserved_state
+    from lightning_remat.graph.trace import trace_module
+    from lightning_remat.runtime.overhead import calibration_plan, measured_stage_seconds
+    from lightning_remat.runtime.stepcheck import timed_steps
+
+    plan = calibration_plan(graph)
+    if plan is None:
+        return
+
+    def step(module) -> Callable[[], None]:
+        def run() -> None:
+            torch.manual_seed(1)
+            step_loss(module(x)).backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    with preserved_state(model, [device]):
+        traced = trace_module(model, x)
+        planned = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+        measured = timed_steps(step(model), step(planned), device)
+    stage = measured_stage_seconds(graph, plan, measured)
+    if stage is not None:
+        graph.meta.recompute_stage_seconds, graph.meta.recompute_stage_measured = stage, True
 
 
 def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:

@@ -55,6 +55,35 @@ def test_corrected_times_reproduce_the_measured_extra_time(factor: float) -> Non
         assert all(node.t_fwd < 1e-3 for node in graph.nodes)
 
 
+@pytest.mark.parametrize("factor", [3.0, 0.5, 0.05])
+def test_with_the_stage_time_measured_on_the_model_the_vertices_of_keeping_stages_take_the_difference(
+        factor: float) -> None:
+    """Where the stage's time was measured on the model (plain-checkpoint stages), what a
+    plan that keeps values measured off its prediction is the policy's, per vertex: that
+    time changes first (the stage's stays while the vertex's can take all of it), and the
+    schedule the step ran predicts what was measured. Scored again, the plan's stages are
+    predicted no slower: where the policy now costs more than running a stage's kept
+    values again, the schedule runs that stage under plain checkpoint instead."""
+    from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import executor_seconds, recomputed_seconds
+
+    graph = _graph()
+    graph.meta.recompute_stage_measured = True
+    plan = _plan(graph)
+    ran = make_schedule(graph, plan)
+    assert any(s.kept for s in ran.stages if s.action == "recompute")
+    predicted = predicted_extra_seconds(graph, plan)
+    measured = factor * predicted
+    said = correct_times(graph, plan, measured)
+    assert recomputed_seconds(graph, ran) + executor_seconds(graph, ran) == pytest.approx(measured, rel=1e-6)
+    assert predicted_extra_seconds(graph, plan) <= measured * (1 + 1e-9)
+    if factor == 3.0:
+        assert "per vertex" in said
+        assert graph.meta.recompute_stage_seconds == 2e-4 and graph.meta.recompute_vertex_seconds > 1e-5
+    else:  # more than the vertices' time to take off: theirs first, then the stage's
+        assert graph.meta.recompute_vertex_seconds == 0.0 and graph.meta.recompute_stage_seconds < 2e-4
+
+
 def test_a_plan_that_recomputes_nothing_is_not_corrected() -> None:
     graph = _graph()
     plan = solve(graph, None, "plain")
@@ -161,3 +190,104 @@ def test_a_step_within_its_predicted_time_keeps_the_plan(first_plans) -> None:
     assert not [w for w in caught if "planned step took" in str(w.message)]
     assert planner.last.plan is first_plans[0]
     assert planner.last.graph.meta.recompute_stage_seconds == 0.0
+
+
+# ---- the stage's time measured on the model -------------------------------------------------
+def _profiled_chain() -> tuple[nn.Module, torch.Tensor, Graph]:
+    from lightning_remat.graph.profile import profile_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(40) for m in (nn.Linear(32, 32), nn.Tanh())])
+    x = torch.randn(64, 32)
+    return model, x, profile_module(model, (x,), repeats=1)
+
+
+def test_the_calibration_plan_cuts_the_model_into_stages_run_under_plain_checkpoint() -> None:
+    """At most ``CALIBRATION_STAGES`` recomputed stages in the graph's order, the last part
+    kept; each ends at a linear layer (which saves only its input), so it keeps nothing
+    from its forward: the executor runs it under plain checkpoint, and only the stage's own
+    cost is measured beside the ops run again."""
+    from lightning_remat.runtime.overhead import CALIBRATION_STAGES, calibration_plan
+    from lightning_remat.solvers.schedule import make_schedule
+
+    _, _, graph = _profiled_chain()
+    plan = calibration_plan(graph)
+    assert plan is not None
+    assert [n for s in plan.stages for n in s.nodes] == graph.ids
+    assert plan.count("recompute") == CALIBRATION_STAGES and plan.stages[-1].action == "keep"
+    schedule = make_schedule(graph, plan)
+    assert all(not s.kept for s in schedule.stages if s.action == "recompute")
+    assert calibration_plan(graph, stages=3).count("recompute") == 3
+    assert calibration_plan(Graph.chain([100], t_fwd=[1e-3])) is None
+
+
+def test_the_stage_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_run_again() -> None:
+    """The measured extra time less the ops run again (their profiled forward time) and
+    the policy's per-vertex time, per recomputed stage; None (the chain's figure stands)
+    within twice the noise or 1% of the plain step; never below 0."""
+    from lightning_remat.runtime.overhead import calibration_plan, measured_stage_seconds
+    from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import recomputed_seconds
+
+    _, _, graph = _profiled_chain()
+    graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = 2e-4, 1e-5
+    plan = calibration_plan(graph)
+    schedule = make_schedule(graph, plan)
+    again, k = recomputed_seconds(graph, schedule), plan.count("recompute")
+    assert measured_stage_seconds(graph, plan, StepTimes(1.0, 1.0 + again + k * 3e-3, 1e-3)) \
+        == pytest.approx(3e-3)
+    assert measured_stage_seconds(graph, plan, StepTimes(1.0, 1.0 + again + k * 3e-3, 0.05)) is None
+    assert measured_stage_seconds(graph, plan, StepTimes(1.0, 1.0 + again + k * 5e-4, 0.0)) is None  # < 1%
+    assert measured_stage_seconds(graph, plan, StepTimes(1.0, 1.0, 0.0)) in (None, 0.0)
+    assert measured_stage_seconds(graph, plan, StepTimes(1.0, 0.9, 0.0)) == 0.0
+
+
+def test_the_planner_measures_the_stage_time_on_the_model_before_it_chooses(first_plans) -> None:
+    """Planning a new input times the calibration plan's step against the plain step
+    (injected: 5 ms per stage beyond the ops run again) before solving: the graph's stage
+    time is that, marked measured, the progress says so, the plan is the solver's on those
+    times, and the model trains as the plain model does."""
+    from lightning_remat.runtime.overhead import calibration_plan
+    from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import recomputed_seconds
+
+    model, x, _ = _profiled_chain()
+    reference = copy.deepcopy(model)
+    calls: list[str] = []
+
+    def timer(plain, planned, device) -> StepTimes:
+        plain()
+        planned()  # each step runs, leaving the module as it was
+        if not calls:
+            calls.append("calibration")
+            graph = seen[0]
+            plan = calibration_plan(graph)
+            again = recomputed_seconds(graph, make_schedule(graph, plan))
+            return StepTimes(1.0, 1.0 + again + plan.count("recompute") * 5e-3, 0.0)
+        calls.append("first step")
+        return StepTimes(1.0, 1.0 + first_plans[-1].predicted_extra_seconds, 0.0)  # as predicted
+
+    seen: list[Graph] = []
+    original = Planner._calibrate_stage_seconds
+
+    def recorded(self, graph, *args):
+        seen.append(graph)
+        return original(self, graph, *args)
+
+    notes: list[str] = []
+    planner = Planner(model, PlanSettings("75%"), step_times=timer, progress=notes.append)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Planner, "_calibrate_stage_seconds", recorded)
+        planner.last = planner.planned_for((x,), {})
+    graph, plan = planner.last.graph, planner.last.plan
+    assert calls == ["calibration", "first step"]
+    assert graph.meta.recompute_stage_measured and graph.meta.recompute_stage_seconds == pytest.approx(5e-3)
+    assert any("measured on the model: 5.000 ms" in note for note in notes), notes
+    assert plan.stages == solve(graph, planner.last.budget_bytes, "auto", allow_offload=False).stages
+    module = planner.remat_module
+    module.set_current(planner.last.variant)
+    for _ in range(2):
+        module(x).sum().backward()
+        reference(x).sum().backward()
+        for mine, theirs in zip(planner.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0)

@@ -72,10 +72,12 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 The planner (``planner.py``) adds ``bandwidth_bytes_per_s``: the host-device bandwidth, the
 offloading solvers' beta; and ``recompute_stage_seconds`` and ``recompute_vertex_seconds``:
 what the executor itself costs per recomputed stage and per vertex in one, over the
-recomputation (each measured once per device); and ``measured_excess_bytes``: what the
-first training step under a plan measured above its prediction (the model's margin covers
-it from then on); and on the CPU ``scratch_buffers``: the most buffers the C library maps on
-their own pages that one op held at once, and from the profile ``mapped_buffer_bytes`` and
+recomputation (measured once per device on a chain of small ops, the stage's then on the
+model's own step where that tells it apart from noise, ``recompute_stage_measured``); and
+``measured_excess_bytes``: what the first training step under a plan measured above its
+prediction (the model's margin covers it from then on); and on the CPU
+``scratch_buffers``: the most buffers the C library maps on their own pages that one op
+held at once, and from the profile ``mapped_buffer_bytes`` and
 ``page_bytes``, the C library's mmap threshold and the page size where it was measured. Keys are
 written in the order above, then those of ``extra`` (``model``, the description the
 benchmarks add; ``costs`` on a graph whose costs were estimated, not measured).
@@ -337,6 +339,10 @@ class GraphMeta:
     recompute_vertex_seconds: float | None = None
     """The executor's own time per vertex of a recomputed stage: each op of the stage passes
     the selective-checkpoint policy in the forward and again in the recomputation."""
+    recompute_stage_measured: bool | None = None
+    """Whether ``recompute_stage_seconds`` was measured on this model's own step (a plan of
+    plain-checkpoint stages timed against the plain step) rather than on the calibration
+    chain of small ops (docs/design.md section 4.7)."""
     measured_excess_bytes: int | None = None
     """What the first training step under a plan measured above its prediction, which the
     model's margin then covers (docs/design.md section 4.7)."""

@@ -20,11 +20,13 @@ from lightning_remat.budget import format_bytes
 from lightning_remat.device import module_device
 from lightning_remat.errors import RematInfeasibleError, warn_caller
 from lightning_remat.graph.effects import preserved_state
-from lightning_remat.graph.trace import CHILDREN, loop_loss
+from lightning_remat.graph.ir import Graph
+from lightning_remat.graph.trace import CHILDREN, Traced, loop_loss
 from lightning_remat.measure.peak import CudaPeak, peak_bytes
 from lightning_remat.messages import world_size
 from lightning_remat.planner.settings import Planned
 from lightning_remat.runtime.module import Variant, build_traced_variant
+from lightning_remat.runtime.overhead import calibration_plan, measured_stage_seconds
 from lightning_remat.runtime.stepcheck import (
     correct_times,
     metered_step,
@@ -182,6 +184,42 @@ class FirstStepCheck:
         warn_caller(said)
         return True
 
+    def _calibrate_stage_seconds(self, graph: Graph, traced: Traced, args: tuple, kwargs: dict,
+                                 device: torch.device) -> str:
+        """Measure what a recomputed stage costs the executor on this model (docs/design.md
+        section 4.7): the step of :func:`~lightning_remat.runtime.overhead.calibration_plan`
+        (stages under plain checkpoint) timed against the plain step, alternating
+        (:func:`~lightning_remat.runtime.stepcheck.timed_steps`). Where the stages' cost it
+        shows differs from the calibration chain's by more than the noise, it replaces
+        ``meta.recompute_stage_seconds`` before any plan is chosen (``meta.recompute_stage_measured``).
+        Run where the first step's time is checked (single process, a profiled plain step,
+        an op-granular capture, no meter of the caller's running); returns what it set
+        ("" for nothing)."""
+        if (not self.check_first_step or world_size() > 1 or self.sharding != "none" or graph.meta.safe
+                or traced.kind == CHILDREN or _len_torch_dispatch_stack() or _profiler_enabled()
+                or (self.loss_fn is None and not graph.meta.outputs_held)):
+            return ""
+        plan = calibration_plan(graph)
+        if plan is None:
+            return ""
+        variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
+        wrapper, mode = self.remat_module, self.remat_module.training
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True  # not .train(): the module's own flags are restored above
+            try:
+                measured = (self.step_times or timed_steps)(
+                    self._step_of(None, graph, args, kwargs), self._step_of(variant, graph, args, kwargs), device)
+            finally:
+                wrapper.training = mode
+        stage = measured_stage_seconds(graph, plan, measured)
+        if stage is None:
+            return ""
+        chain = float(graph.meta.recompute_stage_seconds or 0.0)
+        graph.meta.recompute_stage_seconds, graph.meta.recompute_stage_measured = stage, True
+        return (f"the executor's time per recomputed stage measured on the model: {stage * 1e3:.3f} ms "
+                f"(the calibration chain's: {chain * 1e3:.3f} ms)")
+
     def _step_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
         """The call's tensors cut off the caller's graph (inputs another module computed, an
         encoder's output that a planned head reads: a measured backward stops at them,
@@ -198,13 +236,18 @@ class FirstStepCheck:
         """One training step, plain (the module's own forward) or under ``planned``'s plan,
         as the profile took it; each parameter's gradient as before it (the caller keeps
         the module's state, :func:`~lightning_remat.graph.effects.preserved_state`)."""
+        return self._step_of(None if plain else planned.variant, planned.graph, args, kwargs)
+
+    def _step_of(self, variant: Variant | None, graph: Graph, args: tuple, kwargs: dict) -> Callable[[], None]:
+        """One training step of ``graph``'s call, plain (``variant`` None: the module's own
+        forward) or through ``variant``, as :meth:`_timed_step` describes."""
         loss_fn = self.loss_fn or loop_loss
         args, kwargs, holders = self._step_inputs(args, kwargs)
         wrapper, module = self.remat_module, self.module
-        held = bool(planned.graph.meta.outputs_held)
+        held = bool(graph.meta.outputs_held)
 
         def forward() -> Any:
-            return module(*args, **kwargs) if plain else wrapper._run(planned.variant, args, kwargs)
+            return module(*args, **kwargs) if variant is None else wrapper._run(variant, args, kwargs)
 
         def run(step: Callable[[], None]) -> int:
             step()

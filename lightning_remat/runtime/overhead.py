@@ -1,5 +1,9 @@
-"""What the executor itself costs per recomputed stage and per vertex of one, measured once
-per device on a chain of small ops (docs/design.md section 4.7), for the time model."""
+"""What the executor itself costs per recomputed stage and per vertex of one, for the time
+model (docs/design.md section 4.7): measured once per device on a chain of small ops
+(:func:`measure_recompute_overhead`), then the stage's on the model's own step
+(:func:`calibration_plan`, :func:`measured_stage_seconds`), where it differs from the
+chain's by more than the step's noise: on a ResNet-50 on the CPU a recomputed stage costs
+milliseconds beyond its ops, on the chain a fifth of one."""
 
 from __future__ import annotations
 
@@ -12,11 +16,16 @@ import torch.fx as fx
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_remat.graph.ir import Graph
 from lightning_remat.imports import sympy_imported
 from lightning_remat.runtime.module import apply_plan
+from lightning_remat.runtime.stepcheck import StepTimes
+from lightning_remat.solvers.chen import candidate_cuts
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.schedule import ScheduleParts, make_schedule
+from lightning_remat.solvers.scoring import make_plan, recomputed_seconds
 
-__all__ = ["measure_recompute_overhead"]
+__all__ = ["CALIBRATION_STAGES", "NEGLIGIBLE", "calibration_plan", "measure_recompute_overhead", "measured_stage_seconds"]
 
 
 class _SineChain(nn.Module):
@@ -98,3 +107,60 @@ def measure_recompute_overhead(device: str | torch.device | None = None, *, roun
     stage = max(per_stage[0] - _SHORT * vertex, 0.0)
     _OVERHEAD_CACHE[key] = (stage, vertex)
     return stage, vertex
+
+
+CALIBRATION_STAGES = 24
+"""The most recomputed stages of the plan that measures a stage's cost on the model: enough
+that their cost stands out of a step's noise, each still a run of ops."""
+
+NEGLIGIBLE = 0.01
+"""A difference in the stages' total cost below this share of the plain step changes no
+plan worth measuring: the chain's figure stands."""
+
+
+def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES) -> Plan | None:
+    """The plan whose step measures what a recomputed stage costs the executor on
+    ``graph``'s model: its order cut at up to ``stages`` single-tensor boundaries
+    (:func:`~lightning_remat.solvers.chen.candidate_cuts`, spread evenly), every part but the
+    last recomputed, as Chen et al.'s segments are. Such stages keep nothing from their
+    forward, so the executor runs them under plain checkpoint and the step's time beyond
+    plain is the ops run again and ``stages`` times the stage's own cost. Boundaries made by
+    an op that saves nothing it computes (a linear layer, a convolution) come first: at one
+    made by an op that saves its output (a tanh), plain checkpoint would run the op again
+    for its backward, so the stage keeps it under the selective policy. None where the
+    graph has fewer than two boundaries."""
+    cuts = candidate_cuts(graph)
+    parts = ScheduleParts.of(graph)
+    plain = [p for p in cuts if graph.ids[p] not in parts.saving or graph.ids[p] in parts.saves_inputs_only]
+    cuts = plain if len(plain) >= 2 else cuts
+    if len(cuts) < 2:
+        return None
+    count = min(int(stages), len(cuts))
+    chosen = sorted({cuts[round(i * (len(cuts) - 1) / max(count - 1, 1))] for i in range(count)})
+    ids, parts, start = graph.ids, [], 0
+    for p in chosen:
+        parts.append(Stage(ids[start:p + 1], "recompute"))
+        start = p + 1
+    parts.append(Stage(ids[start:], "keep"))
+    return make_plan(graph, [s for s in parts if s.nodes], "calibration")
+
+
+def measured_stage_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> float | None:
+    """The executor's own time per recomputed stage that ``measured`` (``plan``'s step
+    against the plain step, :func:`~lightning_remat.runtime.stepcheck.timed_steps`) shows:
+    the extra time less the forward time of what the schedule runs again (Kusumoto et al.'s
+    eq. 1) and the policy's per-vertex time, over the recomputed stages; at least 0. None
+    where that differs from ``meta.recompute_stage_seconds`` over all stages by no more
+    than twice the steps' noise or :data:`NEGLIGIBLE` of the plain step (the chain's figure
+    stands)."""
+    schedule = make_schedule(graph, plan)
+    recomputing = [s for s in schedule.stages if s.action == "recompute"]
+    if not recomputing:
+        return None
+    vertices = sum(len(s.vertices) for s in recomputing if s.kept)
+    beyond = (measured.extra_seconds - recomputed_seconds(graph, schedule)
+              - vertices * float(graph.meta.recompute_vertex_seconds or 0.0))
+    now = float(graph.meta.recompute_stage_seconds or 0.0) * len(recomputing)
+    if abs(beyond - now) <= max(2 * measured.noise_seconds, NEGLIGIBLE * measured.plain_seconds):
+        return None
+    return max(beyond / len(recomputing), 0.0)

@@ -169,7 +169,9 @@ def correct_times(graph: Graph, plan: Plan, measured_extra_seconds: float) -> st
     charges the difference to each recomputed stage (what the executor costs beyond the ops
     it runs again, which the calibration chain measured on other ops than these); a faster
     one takes it off the stage's time, then the vertex's, and what is left off every
-    vertex's forward time (the profile's op times were high). The plan's stages, scored
+    vertex's forward time (the profile's op times were high). Where the stage's time was
+    measured on the model (``meta.recompute_stage_measured``) and the plan has stages that
+    keep values, the difference goes to their vertices' time first. The plan's stages, scored
     again, then predict the measured extra time. A plan that recomputes nothing is not
     corrected ("" returned)."""
     meta = graph.meta
@@ -184,6 +186,16 @@ def correct_times(graph: Graph, plan: Plan, measured_extra_seconds: float) -> st
     predicted = predicted_extra_seconds(graph, plan)
     recomputed = predicted - k * stage0 - n * vertex0
     off = float(measured_extra_seconds) - predicted
+    if meta.recompute_stage_measured and n:
+        # The stage's time was measured on this model (stages under plain checkpoint,
+        # ``runtime.overhead``): what is off is the stages that keep values, per vertex.
+        vertex = vertex0 + off / n
+        if vertex >= 0:
+            meta.recompute_vertex_seconds = vertex
+            return (f"the executor's time per vertex of a stage that keeps values set from "
+                    f"{vertex0 * 1e3:.3f} ms to {vertex * 1e3:.3f} ms")
+        off += vertex0 * n  # still to take off once the vertex's time is 0
+        meta.recompute_vertex_seconds = vertex0 = 0.0
     stage = stage0 + off / k
     if stage >= 0:
         meta.recompute_stage_seconds = stage
