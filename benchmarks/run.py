@@ -434,20 +434,17 @@ def _plain_graph(model, x):
 
 
 def _calibrate(model, x, graph, device) -> None:
-    """The executor's time per recomputed stage measured on the model's own step, as
-    ``remat()`` measures it before it chooses a plan (docs/design.md section 4.7): the
-    calibration plan's step timed against the plain step."""
+    """The executor's own time measured on the model's step, as ``remat()`` measures it
+    before it chooses a plan (docs/design.md section 4.7)."""
+    import functools
+
     import torch
 
     from lightning_remat import apply_plan
     from lightning_remat.graph.effects import preserved_state
     from lightning_remat.graph.trace import trace_module
-    from lightning_remat.runtime.overhead import calibration_plan, measured_stage_seconds
+    from lightning_remat.runtime.overhead import CALIBRATION_STEPS, calibrate_on_model
     from lightning_remat.runtime.stepcheck import timed_steps
-
-    plan = calibration_plan(graph)
-    if plan is None:
-        return
 
     def step(module) -> Callable[[], None]:
         def run() -> None:
@@ -456,13 +453,11 @@ def _calibrate(model, x, graph, device) -> None:
             model.zero_grad(set_to_none=True)
         return run
 
+    timer = functools.partial(timed_steps, step(model), device=device, steps=CALIBRATION_STEPS)
     with preserved_state(model, [device]):
         traced = trace_module(model, x)
-        planned = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
-        measured = timed_steps(step(model), step(planned), device)
-    stage = measured_stage_seconds(graph, plan, measured)
-    if stage is not None:
-        graph.meta.recompute_stage_seconds, graph.meta.recompute_stage_measured = stage, True
+        calibrate_on_model(graph, timer, lambda plan: step(
+            apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)))
 
 
 def predictions(graph, device, budgets: list[str]) -> dict[str, Any]:

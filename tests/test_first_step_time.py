@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_remat.planner as planner_module
 from lightning_remat.graph.ir import Graph
 from lightning_remat.planner import Planner, PlanSettings
 from lightning_remat.runtime.stepcheck import (
@@ -219,6 +220,12 @@ def test_the_calibration_plan_cuts_the_model_into_stages_run_under_plain_checkpo
     assert all(not s.kept for s in schedule.stages if s.action == "recompute")
     assert calibration_plan(graph, stages=3).count("recompute") == 3
     assert calibration_plan(Graph.chain([100], t_fwd=[1e-3])) is None
+    # At the tanh layers (which save their output) every stage keeps its boundary under the
+    # selective policy: that plan measures the policy's time per vertex.
+    policy = calibration_plan(graph, policy=True)
+    assert [n for s in policy.stages for n in s.nodes] == graph.ids
+    assert all(s.nodes[-1] in graph.ids[1::2] for s in policy.stages[:-1])
+    assert all(s.kept for s in make_schedule(graph, policy).stages if s.action == "recompute")
 
 
 def test_the_stage_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_run_again() -> None:
@@ -242,11 +249,34 @@ def test_the_stage_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_r
     assert measured_stage_seconds(graph, plan, StepTimes(1.0, 0.9, 0.0)) == 0.0
 
 
-def test_the_planner_measures_the_stage_time_on_the_model_before_it_chooses(first_plans) -> None:
-    """Planning a new input times the calibration plan's step against the plain step
-    (injected: 5 ms per stage beyond the ops run again) before solving: the graph's stage
-    time is that, marked measured, the progress says so, the plan is the solver's on those
-    times, and the model trains as the plain model does."""
+def test_the_policy_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_and_stages() -> None:
+    """The measured extra time less the ops run again and each stage's time, per vertex
+    under the policy; None within the noise, and for a plan with no such vertex."""
+    from lightning_remat.runtime.overhead import calibration_plan, measured_vertex_seconds
+    from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import recomputed_seconds
+
+    _, _, graph = _profiled_chain()
+    # No policy time yet: with one, the schedule runs a stage whose kept values cost less
+    # than the policy under plain checkpoint instead.
+    graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = 2e-3, 0.0
+    plan = calibration_plan(graph, policy=True)
+    schedule = make_schedule(graph, plan)
+    again, k = recomputed_seconds(graph, schedule), plan.count("recompute")
+    n = sum(len(s.vertices) for s in schedule.stages if s.action == "recompute" and s.kept)
+    assert n > 0
+    assert measured_vertex_seconds(graph, plan, StepTimes(1.0, 1.0 + again + k * 2e-3 + n * 4e-4, 1e-3)) \
+        == pytest.approx(4e-4)
+    assert measured_vertex_seconds(graph, plan, StepTimes(1.0, 1.0 + again + k * 2e-3 + n * 4e-4, 0.1)) is None
+    assert measured_vertex_seconds(graph, calibration_plan(graph), StepTimes(1.0, 2.0, 0.0)) is None
+
+
+def test_the_planner_measures_the_executor_time_on_the_model_before_it_chooses(first_plans) -> None:
+    """Planning a new input times the calibration plans' steps against the plain step
+    before solving (injected: 5 ms per stage, then 1 ms per vertex under the policy,
+    beyond the ops run again): the graph's times are those, marked measured, the progress
+    says so, the plan is the solver's on those times, and the model trains as the plain
+    model does."""
     from lightning_remat.runtime.overhead import calibration_plan
     from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.scoring import recomputed_seconds
@@ -258,17 +288,20 @@ def test_the_planner_measures_the_stage_time_on_the_model_before_it_chooses(firs
     def timer(plain, planned, device) -> StepTimes:
         plain()
         planned()  # each step runs, leaving the module as it was
-        if not calls:
-            calls.append("calibration")
+        if len(calls) < 2:
             graph = seen[0]
-            plan = calibration_plan(graph)
-            again = recomputed_seconds(graph, make_schedule(graph, plan))
-            return StepTimes(1.0, 1.0 + again + plan.count("recompute") * 5e-3, 0.0)
+            policy = bool(calls)
+            plan = calibration_plan(graph, policy=policy)
+            schedule = make_schedule(graph, plan)
+            again = recomputed_seconds(graph, schedule)
+            n = sum(len(s.vertices) for s in schedule.stages if s.action == "recompute" and s.kept)
+            calls.append("policy" if policy else "stages")
+            return StepTimes(1.0, 1.0 + again + plan.count("recompute") * 5e-3 + policy * n * 1e-3, 0.0)
         calls.append("first step")
         return StepTimes(1.0, 1.0 + first_plans[-1].predicted_extra_seconds, 0.0)  # as predicted
 
     seen: list[Graph] = []
-    original = Planner._calibrate_stage_seconds
+    original = Planner._calibrate_executor
 
     def recorded(self, graph, *args):
         seen.append(graph)
@@ -277,12 +310,17 @@ def test_the_planner_measures_the_stage_time_on_the_model_before_it_chooses(firs
     notes: list[str] = []
     planner = Planner(model, PlanSettings("75%"), step_times=timer, progress=notes.append)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Planner, "_calibrate_stage_seconds", recorded)
+        patch.setattr(Planner, "_calibrate_executor", recorded)
+        # The chain's figures, as a machine could measure them: no policy time, so that
+        # the tanh stages keep their boundaries under the policy until it is measured.
+        patch.setattr(planner_module, "measure_recompute_overhead", lambda device: (2e-4, 0.0))
         planner.last = planner.planned_for((x,), {})
     graph, plan = planner.last.graph, planner.last.plan
-    assert calls == ["calibration", "first step"]
+    assert calls == ["stages", "policy", "first step"]
     assert graph.meta.recompute_stage_measured and graph.meta.recompute_stage_seconds == pytest.approx(5e-3)
+    assert graph.meta.recompute_vertex_measured and graph.meta.recompute_vertex_seconds == pytest.approx(1e-3)
     assert any("measured on the model: 5.000 ms" in note for note in notes), notes
+    assert any("selective policy: 1.000 ms" in note for note in notes), notes
     assert plan.stages == solve(graph, planner.last.budget_bytes, "auto", allow_offload=False).stages
     module = planner.remat_module
     module.set_current(planner.last.variant)

@@ -72,8 +72,9 @@ The profiler (``graph/profile.py``) adds the setting and the measurements:
 The planner (``planner.py``) adds ``bandwidth_bytes_per_s``: the host-device bandwidth, the
 offloading solvers' beta; and ``recompute_stage_seconds`` and ``recompute_vertex_seconds``:
 what the executor itself costs per recomputed stage and per vertex in one, over the
-recomputation (measured once per device on a chain of small ops, the stage's then on the
-model's own step where that tells it apart from noise, ``recompute_stage_measured``); and
+recomputation (measured once per device on a chain of small ops, then both on the
+model's own step where that tells them apart from noise, ``recompute_stage_measured`` and
+``recompute_vertex_measured``); and
 ``measured_excess_bytes``: what the first training step under a plan measured above its
 prediction (the model's margin covers it from then on); and on the CPU
 ``scratch_buffers``: the most buffers the C library maps on their own pages that one op
@@ -343,6 +344,9 @@ class GraphMeta:
     """Whether ``recompute_stage_seconds`` was measured on this model's own step (a plan of
     plain-checkpoint stages timed against the plain step) rather than on the calibration
     chain of small ops (docs/design.md section 4.7)."""
+    recompute_vertex_measured: bool | None = None
+    """Whether ``recompute_vertex_seconds`` was measured on this model's own step (a plan of
+    stages under the selective policy) rather than on the calibration chain."""
     measured_excess_bytes: int | None = None
     """What the first training step under a plan measured above its prediction, which the
     model's margin then covers (docs/design.md section 4.7)."""

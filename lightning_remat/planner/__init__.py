@@ -544,10 +544,9 @@ class Planner(FirstStepCheck, StoredPlans):
         budget = self._budget_read = self._budget(graph, device)
         if self.profiler is None and budget is not None and exchange is None:
             # ... and on this model's own step, which a chain of small ops does not predict.
-            note("calibrate: the executor's time per recomputed stage on the model")
-            measured = self._calibrate_stage_seconds(graph, traced, args, kwargs, device)
-            if measured:
-                note(measured)
+            note("calibrate: the executor's own time on the model")
+            for line in self._calibrate_executor(graph, traced, args, kwargs, device):
+                note(line)
         profiled = time.perf_counter()
         options = solver_options(settings.solver, device, settings.offload)
         note(f"solve: {settings.solver} for {'no budget' if budget is None else format_bytes(budget)}")

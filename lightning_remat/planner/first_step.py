@@ -9,6 +9,7 @@ and the plan chosen again, once per input.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from lightning_remat.measure.peak import CudaPeak, peak_bytes
 from lightning_remat.messages import world_size
 from lightning_remat.planner.settings import Planned
 from lightning_remat.runtime.module import Variant, build_traced_variant
-from lightning_remat.runtime.overhead import calibration_plan, measured_stage_seconds
+from lightning_remat.runtime.overhead import CALIBRATION_STEPS, calibrate_on_model
 from lightning_remat.runtime.stepcheck import (
     correct_times,
     metered_step,
@@ -184,41 +185,33 @@ class FirstStepCheck:
         warn_caller(said)
         return True
 
-    def _calibrate_stage_seconds(self, graph: Graph, traced: Traced, args: tuple, kwargs: dict,
-                                 device: torch.device) -> str:
-        """Measure what a recomputed stage costs the executor on this model (docs/design.md
-        section 4.7): the step of :func:`~lightning_remat.runtime.overhead.calibration_plan`
-        (stages under plain checkpoint) timed against the plain step, alternating
-        (:func:`~lightning_remat.runtime.stepcheck.timed_steps`). Where the stages' cost it
-        shows differs from the calibration chain's by more than the noise, it replaces
-        ``meta.recompute_stage_seconds`` before any plan is chosen (``meta.recompute_stage_measured``).
-        Run where the first step's time is checked (single process, a profiled plain step,
-        an op-granular capture, no meter of the caller's running); returns what it set
-        ("" for nothing)."""
+    def _calibrate_executor(self, graph: Graph, traced: Traced, args: tuple, kwargs: dict,
+                            device: torch.device) -> list[str]:
+        """Measure what the executor costs per recomputed stage and per vertex under the
+        selective policy on this model, before any plan is chosen
+        (:func:`~lightning_remat.runtime.overhead.calibrate_on_model`: calibration plans'
+        steps timed against the plain step, alternating). Run where the first step's time
+        is checked (single process, a profiled plain step, an op-granular capture, no meter
+        of the caller's running); returns a line for each figure it set."""
         if (not self.check_first_step or world_size() > 1 or self.sharding != "none" or graph.meta.safe
                 or traced.kind == CHILDREN or _len_torch_dispatch_stack() or _profiler_enabled()
                 or (self.loss_fn is None and not graph.meta.outputs_held)):
-            return ""
-        plan = calibration_plan(graph)
-        if plan is None:
-            return ""
-        variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
+            return []
         wrapper, mode = self.remat_module, self.remat_module.training
+        timer = self.step_times or partial(timed_steps, steps=CALIBRATION_STEPS)
+        plain = self._step_of(None, graph, args, kwargs)
+
+        def planned_step(plan: Plan) -> Callable[[], None]:
+            variant = build_traced_variant(traced, plan, wrapper, self.module, graph)
+            return self._step_of(variant, graph, args, kwargs)
+
         with preserved_state(self.module, [device]), torch.enable_grad():
             self.module.train()
             wrapper.training = True  # not .train(): the module's own flags are restored above
             try:
-                measured = (self.step_times or timed_steps)(
-                    self._step_of(None, graph, args, kwargs), self._step_of(variant, graph, args, kwargs), device)
+                return calibrate_on_model(graph, lambda step: timer(plain, step, device), planned_step)
             finally:
                 wrapper.training = mode
-        stage = measured_stage_seconds(graph, plan, measured)
-        if stage is None:
-            return ""
-        chain = float(graph.meta.recompute_stage_seconds or 0.0)
-        graph.meta.recompute_stage_seconds, graph.meta.recompute_stage_measured = stage, True
-        return (f"the executor's time per recomputed stage measured on the model: {stage * 1e3:.3f} ms "
-                f"(the calibration chain's: {chain * 1e3:.3f} ms)")
 
     def _step_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
         """The call's tensors cut off the caller's graph (inputs another module computed, an

@@ -1,9 +1,9 @@
 """What the executor itself costs per recomputed stage and per vertex of one, for the time
 model (docs/design.md section 4.7): measured once per device on a chain of small ops
-(:func:`measure_recompute_overhead`), then the stage's on the model's own step
-(:func:`calibration_plan`, :func:`measured_stage_seconds`), where it differs from the
-chain's by more than the step's noise: on a ResNet-50 on the CPU a recomputed stage costs
-milliseconds beyond its ops, on the chain a fifth of one."""
+(:func:`measure_recompute_overhead`), then on the model's own step
+(:func:`calibrate_on_model`) where that differs from the chain's by more than the step's
+noise: on a ResNet-50 on the CPU a recomputed stage costs milliseconds beyond its ops, on
+the chain a fifth of one."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import ScheduleParts, make_schedule
 from lightning_remat.solvers.scoring import make_plan, recomputed_seconds
 
-__all__ = ["CALIBRATION_STAGES", "NEGLIGIBLE", "calibration_plan", "measure_recompute_overhead", "measured_stage_seconds"]
+__all__ = [
+    "CALIBRATION_STAGES", "CALIBRATION_STEPS", "NEGLIGIBLE", "calibrate_on_model", "calibration_plan",
+    "measure_recompute_overhead", "measured_stage_seconds", "measured_vertex_seconds",
+]
 
 
 class _SineChain(nn.Module):
@@ -110,39 +113,61 @@ def measure_recompute_overhead(device: str | torch.device | None = None, *, roun
 
 
 CALIBRATION_STAGES = 24
-"""The most recomputed stages of the plan that measures a stage's cost on the model: enough
-that their cost stands out of a step's noise, each still a run of ops."""
+"""The most recomputed stages of a plan that measures the executor's cost on the model:
+enough that their cost stands out of a step's noise, each still a run of ops."""
 
 NEGLIGIBLE = 0.01
 """A difference in the stages' total cost below this share of the plain step changes no
 plan worth measuring: the chain's figure stands."""
 
+CALIBRATION_STEPS = 2
+"""Plain and calibration steps timed each, alternating, per calibration plan."""
 
-def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES) -> Plan | None:
-    """The plan whose step measures what a recomputed stage costs the executor on
-    ``graph``'s model: its order cut at up to ``stages`` single-tensor boundaries
-    (:func:`~lightning_remat.solvers.chen.candidate_cuts`, spread evenly), every part but the
-    last recomputed, as Chen et al.'s segments are. Such stages keep nothing from their
-    forward, so the executor runs them under plain checkpoint and the step's time beyond
-    plain is the ops run again and ``stages`` times the stage's own cost. Boundaries made by
-    an op that saves nothing it computes (a linear layer, a convolution) come first: at one
-    made by an op that saves its output (a tanh), plain checkpoint would run the op again
-    for its backward, so the stage keeps it under the selective policy. None where the
-    graph has fewer than two boundaries."""
+StepTimer = Callable[[Callable[[], None], Callable[[], None]], StepTimes]
+"""Times a plain step against another, alternating: ``timer(plain, other)``."""
+
+
+def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES, *, policy: bool = False) -> Plan | None:
+    """A plan whose step measures what the executor costs on ``graph``'s model: its order
+    cut at up to ``stages`` single-tensor boundaries
+    (:func:`~lightning_remat.solvers.chen.candidate_cuts`, spread evenly), every part but
+    the last recomputed, as Chen et al.'s segments are.
+
+    ``policy=False``: boundaries made by an op that saves nothing it computes (a linear
+    layer, a convolution; any boundary where there are fewer than two such): the stages
+    keep nothing from their forward, so the executor runs them under plain checkpoint and
+    the step's time beyond plain is the ops run again and each stage's own cost.
+    ``policy=True``: boundaries made by an op that saves its output (a tanh, a softmax):
+    plain checkpoint would run that op again, so the stage keeps it under the selective
+    policy, whose time per vertex the step then shows too. None where the graph has fewer
+    than two such boundaries."""
     cuts = candidate_cuts(graph)
     parts = ScheduleParts.of(graph)
-    plain = [p for p in cuts if graph.ids[p] not in parts.saving or graph.ids[p] in parts.saves_inputs_only]
-    cuts = plain if len(plain) >= 2 else cuts
+    own = [p for p in cuts if (graph.ids[p] in parts.saving and graph.ids[p] not in parts.saves_inputs_only) == policy]
+    cuts = own if len(own) >= 2 or policy else cuts
     if len(cuts) < 2:
         return None
     count = min(int(stages), len(cuts))
     chosen = sorted({cuts[round(i * (len(cuts) - 1) / max(count - 1, 1))] for i in range(count)})
-    ids, parts, start = graph.ids, [], 0
+    ids, segments, start = graph.ids, [], 0
     for p in chosen:
-        parts.append(Stage(ids[start:p + 1], "recompute"))
+        segments.append(Stage(ids[start:p + 1], "recompute"))
         start = p + 1
-    parts.append(Stage(ids[start:], "keep"))
-    return make_plan(graph, [s for s in parts if s.nodes], "calibration")
+    segments.append(Stage(ids[start:], "keep"))
+    return make_plan(graph, [s for s in segments if s.nodes], "calibration")
+
+
+def _counts(graph: Graph, plan: Plan) -> tuple[int, int, float]:
+    """(recomputed stages, vertices of those under the policy, forward time of what runs
+    again) as the executor runs ``plan``."""
+    schedule = make_schedule(graph, plan)
+    recomputing = [s for s in schedule.stages if s.action == "recompute"]
+    return (len(recomputing), sum(len(s.vertices) for s in recomputing if s.kept),
+            recomputed_seconds(graph, schedule))
+
+
+def _beyond_noise(difference: float, measured: StepTimes) -> bool:
+    return abs(difference) > max(2 * measured.noise_seconds, NEGLIGIBLE * measured.plain_seconds)
 
 
 def measured_stage_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> float | None:
@@ -153,14 +178,53 @@ def measured_stage_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> flo
     where that differs from ``meta.recompute_stage_seconds`` over all stages by no more
     than twice the steps' noise or :data:`NEGLIGIBLE` of the plain step (the chain's figure
     stands)."""
-    schedule = make_schedule(graph, plan)
-    recomputing = [s for s in schedule.stages if s.action == "recompute"]
-    if not recomputing:
+    stages, vertices, again = _counts(graph, plan)
+    if not stages:
         return None
-    vertices = sum(len(s.vertices) for s in recomputing if s.kept)
-    beyond = (measured.extra_seconds - recomputed_seconds(graph, schedule)
-              - vertices * float(graph.meta.recompute_vertex_seconds or 0.0))
-    now = float(graph.meta.recompute_stage_seconds or 0.0) * len(recomputing)
-    if abs(beyond - now) <= max(2 * measured.noise_seconds, NEGLIGIBLE * measured.plain_seconds):
+    beyond = measured.extra_seconds - again - vertices * float(graph.meta.recompute_vertex_seconds or 0.0)
+    if not _beyond_noise(beyond - float(graph.meta.recompute_stage_seconds or 0.0) * stages, measured):
         return None
-    return max(beyond / len(recomputing), 0.0)
+    return max(beyond / stages, 0.0)
+
+
+def measured_vertex_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> float | None:
+    """The selective policy's own time per vertex of a stage under it that ``measured``
+    shows: the extra time less the ops run again and each stage's time
+    (``meta.recompute_stage_seconds``), over those vertices; at least 0. None where the
+    plan has no such vertex, or where that differs from ``meta.recompute_vertex_seconds``
+    by no more than the noise (:func:`measured_stage_seconds`)."""
+    stages, vertices, again = _counts(graph, plan)
+    if not vertices:
+        return None
+    beyond = measured.extra_seconds - again - stages * float(graph.meta.recompute_stage_seconds or 0.0)
+    if not _beyond_noise(beyond - float(graph.meta.recompute_vertex_seconds or 0.0) * vertices, measured):
+        return None
+    return max(beyond / vertices, 0.0)
+
+
+def calibrate_on_model(graph: Graph, timer: StepTimer,
+                       planned_step: Callable[[Plan], Callable[[], None]]) -> list[str]:
+    """Measure the executor's time per recomputed stage and per vertex under the policy on
+    the model's own step, before a plan is chosen (docs/design.md section 4.7): the step of
+    :func:`calibration_plan` (stages under plain checkpoint) timed against the plain step
+    by ``timer`` gives the stage's time, then the step of ``calibration_plan(policy=True)``
+    the vertex's. ``planned_step(plan)``: one training step under ``plan``. Each figure
+    that differs from the calibration chain's by more than the noise replaces it in
+    ``graph.meta`` (``recompute_stage_measured``, ``recompute_vertex_measured``); returns
+    a line for each."""
+    meta, said = graph.meta, []
+    plan = calibration_plan(graph)
+    if plan is not None:
+        stage = measured_stage_seconds(graph, plan, timer(planned_step(plan)))
+        if stage is not None:
+            said.append(f"the executor's time per recomputed stage measured on the model: {stage * 1e3:.3f} ms "
+                        f"(the calibration chain's: {float(meta.recompute_stage_seconds or 0) * 1e3:.3f} ms)")
+            meta.recompute_stage_seconds, meta.recompute_stage_measured = stage, True
+    plan = calibration_plan(graph, policy=True)
+    if plan is not None and _counts(graph, plan)[1]:
+        vertex = measured_vertex_seconds(graph, plan, timer(planned_step(plan)))
+        if vertex is not None:
+            said.append(f"its time per vertex of a stage under the selective policy: {vertex * 1e3:.3f} ms "
+                        f"(the chain's: {float(meta.recompute_vertex_seconds or 0) * 1e3:.3f} ms)")
+            meta.recompute_vertex_seconds, meta.recompute_vertex_measured = vertex, True
+    return said
