@@ -110,7 +110,7 @@ def worker(name: str, device: str) -> dict:
     result["recompute_measured"] = None
     from lightning_remat.runtime.module import apply_plan
 
-    remat = apply_plan(traced.gm, plan, root=model, charge=traced.charge)
+    remat = apply_plan(traced.gm, plan, root=model, charge=traced.charge, graph=graph)
     step_remat = lambda: remat(*inputs).backward()  # noqa: E731
     step_remat()
     clear()

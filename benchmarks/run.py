@@ -288,7 +288,9 @@ def measure(model_name: str, method: str, device_name: str, batch: int, size: in
         profiled = Graph.load(graph_path(Path(plans_file)))
         if traced.graph.graph_hash() != profiled.graph_hash():
             return {"error": "the traced graph differs from the profiled one the plan was made on"}
-        run = apply_plan(traced.runner, plan, root=model, charge=traced.charge)
+        # The profiled graph's schedule: which stages run under plain checkpoint is chosen
+        # by its times (the executor's own included), which the bare trace does not have.
+        run = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=profiled)
     elif method != "plain":
         raise ValueError(f"unknown method {method!r}")
 
