@@ -446,7 +446,7 @@ def _calibrate(model, x, graph, device) -> None:
     from lightning_remat.graph.effects import preserved_state
     from lightning_remat.graph.trace import trace_module
     from lightning_remat.runtime.overhead import CALIBRATION_STEPS, calibrate_on_model
-    from lightning_remat.runtime.stepcheck import timed_steps
+    from lightning_remat.runtime.stepcheck import timed_rotation
 
     def step(module) -> Callable[[], None]:
         def run() -> None:
@@ -455,7 +455,7 @@ def _calibrate(model, x, graph, device) -> None:
             model.zero_grad(set_to_none=True)
         return run
 
-    timer = functools.partial(timed_steps, step(model), device=device, steps=CALIBRATION_STEPS)
+    timer = functools.partial(timed_rotation, step(model), device=device, steps=CALIBRATION_STEPS)
     with preserved_state(model, [device]):
         traced = trace_module(model, x)
         calibrate_on_model(graph, timer, lambda plan: step(

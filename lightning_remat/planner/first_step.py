@@ -29,10 +29,12 @@ from lightning_remat.planner.settings import Planned
 from lightning_remat.runtime.module import Variant, build_traced_variant
 from lightning_remat.runtime.overhead import CALIBRATION_STEPS, calibrate_on_model
 from lightning_remat.runtime.stepcheck import (
+    StepTimes,
     correct_times,
     metered_step,
     predicted_extra_seconds,
     time_error,
+    timed_rotation,
     timed_steps,
     watch_backward,
 )
@@ -198,8 +200,14 @@ class FirstStepCheck:
                 or (self.loss_fn is None and not graph.meta.outputs_held)):
             return []
         wrapper, mode = self.remat_module, self.remat_module.training
-        timer = self.step_times or partial(timed_steps, steps=CALIBRATION_STEPS)
         plain = self._step_of(None, graph, args, kwargs)
+        if self.step_times is not None:
+            injected = self.step_times
+
+            def timer(steps: list[Callable[[], None]]) -> list[StepTimes]:
+                return [injected(plain, step, device) for step in steps]
+        else:
+            timer = partial(timed_rotation, plain, device=device, steps=CALIBRATION_STEPS)
 
         def planned_step(plan: Plan) -> Callable[[], None]:
             variant = build_traced_variant(traced, plan, wrapper, self.module, graph)
@@ -209,7 +217,7 @@ class FirstStepCheck:
             self.module.train()
             wrapper.training = True  # not .train(): the module's own flags are restored above
             try:
-                return calibrate_on_model(graph, lambda step: timer(plain, step, device), planned_step)
+                return calibrate_on_model(graph, timer, planned_step)
             finally:
                 wrapper.training = mode
 

@@ -120,11 +120,12 @@ NEGLIGIBLE = 0.01
 """A difference in the stages' total cost below this share of the plain step changes no
 plan worth measuring: the chain's figure stands."""
 
-CALIBRATION_STEPS = 2
-"""Plain and calibration steps timed each, alternating, per calibration plan."""
+CALIBRATION_STEPS = 3
+"""Rounds of the plain step and each calibration plan's step, timed in turn."""
 
-StepTimer = Callable[[Callable[[], None], Callable[[], None]], StepTimes]
-"""Times a plain step against another, alternating: ``timer(plain, other)``."""
+StepsTimer = Callable[[list[Callable[[], None]]], list[StepTimes]]
+"""Times steps against the plain step, in turn: ``timer([a, b])`` is each one's
+:class:`~lightning_remat.runtime.stepcheck.StepTimes`."""
 
 
 def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES, *, policy: bool = False) -> Plan | None:
@@ -202,27 +203,32 @@ def measured_vertex_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> fl
     return max(beyond / vertices, 0.0)
 
 
-def calibrate_on_model(graph: Graph, timer: StepTimer,
+def calibrate_on_model(graph: Graph, timer: StepsTimer,
                        planned_step: Callable[[Plan], Callable[[], None]]) -> list[str]:
     """Measure the executor's time per recomputed stage and per vertex under the policy on
-    the model's own step, before a plan is chosen (docs/design.md section 4.7): the step of
-    :func:`calibration_plan` (stages under plain checkpoint) timed against the plain step
-    by ``timer`` gives the stage's time, then the step of ``calibration_plan(policy=True)``
-    the vertex's. ``planned_step(plan)``: one training step under ``plan``. Each figure
-    that differs from the calibration chain's by more than the noise replaces it in
-    ``graph.meta`` (``recompute_stage_measured``, ``recompute_vertex_measured``); returns
-    a line for each."""
+    the model's own step, before a plan is chosen (docs/design.md section 4.7): the steps of
+    :func:`calibration_plan` (stages under plain checkpoint) and of
+    ``calibration_plan(policy=True)`` timed against the plain step by ``timer``, in turn;
+    the first gives the stage's time, the second then the vertex's.
+    ``planned_step(plan)``: one training step under ``plan``. Each figure that differs from
+    the calibration chain's by more than the noise replaces it in ``graph.meta``
+    (``recompute_stage_measured``, ``recompute_vertex_measured``); returns a line for each."""
     meta, said = graph.meta, []
-    plan = calibration_plan(graph)
-    if plan is not None:
-        stage = measured_stage_seconds(graph, plan, timer(planned_step(plan)))
+    stages, policy = calibration_plan(graph), calibration_plan(graph, policy=True)
+    if policy is not None and not _counts(graph, policy)[1]:
+        policy = None  # its stages run under plain checkpoint too: nothing of the policy's to see
+    plans = [p for p in (stages, policy) if p is not None]
+    if not plans:
+        return said
+    measured = dict(zip(map(id, plans), timer([planned_step(p) for p in plans])))
+    if stages is not None:
+        stage = measured_stage_seconds(graph, stages, measured[id(stages)])
         if stage is not None:
             said.append(f"the executor's time per recomputed stage measured on the model: {stage * 1e3:.3f} ms "
                         f"(the calibration chain's: {float(meta.recompute_stage_seconds or 0) * 1e3:.3f} ms)")
             meta.recompute_stage_seconds, meta.recompute_stage_measured = stage, True
-    plan = calibration_plan(graph, policy=True)
-    if plan is not None and _counts(graph, plan)[1]:
-        vertex = measured_vertex_seconds(graph, plan, timer(planned_step(plan)))
+    if policy is not None:
+        vertex = measured_vertex_seconds(graph, policy, measured[id(policy)])
         if vertex is not None:
             said.append(f"its time per vertex of a stage under the selective policy: {vertex * 1e3:.3f} ms "
                         f"(the chain's: {float(meta.recompute_vertex_seconds or 0) * 1e3:.3f} ms)")

@@ -28,7 +28,7 @@ times so that the model reproduces the measurement, and the planner chooses the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "TIMED_STEPS", "TIME_POINTS", "StepTimes", "correct_times", "metered_step",
-    "predicted_extra_seconds", "time_error", "timed_steps", "watch_backward",
+    "predicted_extra_seconds", "time_error", "timed_rotation", "timed_steps", "watch_backward",
 ]
 
 TIME_POINTS = 0.05
@@ -125,18 +125,27 @@ def timed_steps(plain: Callable[[], None], planned: Callable[[], None], device: 
     """Time ``steps`` runs each of ``plain()`` and ``planned()``, alternating (a slow spell
     of the machine falls on both kinds), each synchronised with the device; the least of
     each kind, and the noise (:attr:`StepTimes.noise_seconds`)."""
+    return timed_rotation(plain, [planned], device, steps)[0]
+
+
+def timed_rotation(plain: Callable[[], None], others: Sequence[Callable[[], None]], device: torch.device,
+                   steps: int = TIMED_STEPS) -> list[StepTimes]:
+    """:func:`timed_steps` for several steps against one plain step: ``plain()`` and each
+    of ``others`` in turn, ``steps`` rounds; per other, its times against the plain
+    step's."""
     sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"plain": [], "planned": []}
+    runs = [plain, *others]
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(max(int(steps), 2)):
-        for name, run in (("plain", plain), ("planned", planned)):
+        for taken, run in zip(times, runs):
             sync()
             start = time.perf_counter()
             run()
             sync()
-            times[name].append(time.perf_counter() - start)
-    plain_times, planned_times = sorted(times["plain"]), sorted(times["planned"])
-    noise = max(plain_times[1] - plain_times[0], planned_times[1] - planned_times[0])
-    return StepTimes(plain_times[0], planned_times[0], noise)
+            taken.append(time.perf_counter() - start)
+    least = [sorted(taken) for taken in times]
+    return [StepTimes(least[0][0], other[0], max(least[0][1] - least[0][0], other[1] - other[0]))
+            for other in least[1:]]
 
 
 def time_error(predicted_extra_seconds: float, measured: StepTimes) -> float | None:
