@@ -179,13 +179,7 @@ def measured_stage_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> flo
     where that differs from ``meta.recompute_stage_seconds`` over all stages by no more
     than twice the steps' noise or :data:`NEGLIGIBLE` of the plain step (the chain's figure
     stands)."""
-    stages, vertices, again = _counts(graph, plan)
-    if not stages:
-        return None
-    beyond = measured.extra_seconds - again - vertices * float(graph.meta.recompute_vertex_seconds or 0.0)
-    if not _beyond_noise(beyond - float(graph.meta.recompute_stage_seconds or 0.0) * stages, measured):
-        return None
-    return max(beyond / stages, 0.0)
+    return _measured_per(graph, plan, measured, per_stage=True)
 
 
 def measured_vertex_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> float | None:
@@ -194,13 +188,23 @@ def measured_vertex_seconds(graph: Graph, plan: Plan, measured: StepTimes) -> fl
     (``meta.recompute_stage_seconds``), over those vertices; at least 0. None where the
     plan has no such vertex, or where that differs from ``meta.recompute_vertex_seconds``
     by no more than the noise (:func:`measured_stage_seconds`)."""
+    return _measured_per(graph, plan, measured, per_stage=False)
+
+
+def _measured_per(graph: Graph, plan: Plan, measured: StepTimes, per_stage: bool) -> float | None:
+    """The extra time ``measured`` shows beyond the ops run again and the other figure,
+    per recomputed stage (``per_stage``) or per vertex under the policy."""
     stages, vertices, again = _counts(graph, plan)
-    if not vertices:
+    stage_now = float(graph.meta.recompute_stage_seconds or 0.0)
+    vertex_now = float(graph.meta.recompute_vertex_seconds or 0.0)
+    count, now, other = (stages, stage_now, vertices * vertex_now) if per_stage \
+        else (vertices, vertex_now, stages * stage_now)
+    if not count:
         return None
-    beyond = measured.extra_seconds - again - stages * float(graph.meta.recompute_stage_seconds or 0.0)
-    if not _beyond_noise(beyond - float(graph.meta.recompute_vertex_seconds or 0.0) * vertices, measured):
+    beyond = measured.extra_seconds - again - other
+    if not _beyond_noise(beyond - now * count, measured):
         return None
-    return max(beyond / vertices, 0.0)
+    return max(beyond / count, 0.0)
 
 
 def calibrate_on_model(graph: Graph, timer: StepsTimer,
@@ -221,16 +225,14 @@ def calibrate_on_model(graph: Graph, timer: StepsTimer,
     if not plans:
         return said
     measured = dict(zip(map(id, plans), timer([planned_step(p) for p in plans])))
-    if stages is not None:
-        stage = measured_stage_seconds(graph, stages, measured[id(stages)])
-        if stage is not None:
-            said.append(f"the executor's time per recomputed stage measured on the model: {stage * 1e3:.3f} ms "
-                        f"(the calibration chain's: {float(meta.recompute_stage_seconds or 0) * 1e3:.3f} ms)")
-            meta.recompute_stage_seconds, meta.recompute_stage_measured = stage, True
-    if policy is not None:
-        vertex = measured_vertex_seconds(graph, policy, measured[id(policy)])
-        if vertex is not None:
-            said.append(f"its time per vertex of a stage under the selective policy: {vertex * 1e3:.3f} ms "
-                        f"(the chain's: {float(meta.recompute_vertex_seconds or 0) * 1e3:.3f} ms)")
-            meta.recompute_vertex_seconds, meta.recompute_vertex_measured = vertex, True
+    # The stage's figure first: the vertex's is what is left beyond it.
+    for plan, per_stage, figure, what in (
+            (stages, True, "recompute_stage", "the executor's time per recomputed stage measured on the model"),
+            (policy, False, "recompute_vertex", "its time per vertex of a stage under the selective policy")):
+        value = None if plan is None else _measured_per(graph, plan, measured[id(plan)], per_stage)
+        if value is not None:
+            chain = float(getattr(meta, f"{figure}_seconds") or 0.0)
+            said.append(f"{what}: {value * 1e3:.3f} ms (the calibration chain's: {chain * 1e3:.3f} ms)")
+            setattr(meta, f"{figure}_seconds", value)
+            setattr(meta, f"{figure}_measured", True)
     return said
