@@ -324,6 +324,33 @@ def test_forward_workspace_is_the_temporary_peak():
     assert graph["fc"].ws_fwd < TEMP_BYTES / 4
 
 
+class LogitsLoss(nn.Module):
+    """A linear layer's logits over a large vocabulary, and their cross-entropy."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, vocab)
+
+    def forward(self, x, target):
+        return nn.functional.cross_entropy(self.head(x), target)
+
+
+def test_an_ops_backward_over_several_autograd_nodes_counts_the_gradients_between_them():
+    """cross_entropy's backward runs as nll_loss's, which makes the gradient of the
+    log-probabilities, then log_softmax's, which makes the logits' gradient while that one
+    is live: the log-probabilities' gradient is the op's backward workspace. A linear layer
+    (addmm of a transposed weight) hands its weight's gradient on through the transpose:
+    that is a gradient handed on, not workspace."""
+    batch, vocab = 256, 4096
+    logits_bytes = batch * vocab * F32
+    graph = _fast(LogitsLoss(vocab), (torch.randn(batch, 64), torch.randint(0, vocab, (batch,))),
+                  loss_fn=lambda out: out)
+    head, loss = graph.ids[0], graph.ids[-1]
+    assert graph[loss].op == "cross_entropy"
+    assert 0.99 * logits_bytes <= graph[loss].ws_bwd <= 1.1 * logits_bytes, graph[loss]
+    assert graph[head].ws_bwd < 64 * vocab * F32 / 4, graph[head]
+
+
 def test_a_step_without_backward_is_refused():
     frozen = models.mlp()
     frozen.requires_grad_(False)

@@ -92,6 +92,28 @@ def test_add_passes_its_gradient_through_without_a_buffer():
     assert phases(t, "backward") == [("v3", 10, 10), ("v2", 20, 20), ("v1", 10, 30), ("v0", 0, 10)]
 
 
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_loss"])
+def test_a_cross_entropys_backward_holds_the_log_probabilities_gradient(op):
+    """fx names the op ``cross_entropy``, torch.export ``cross_entropy_loss``: either way
+    its backward makes the log-probabilities' gradient (the size of what it saved besides
+    its input) and, while that is live, the logits' gradient."""
+    nodes = [Node("logits", "linear", mem=100, saved=0), Node("loss", op, mem=4, saved=100)]
+    graph = Graph(nodes, [("logits", "loss")], {"saved_refs": {"loss": []}, "outputs": ["loss"]})
+    # The loss's backward: its saved log-probabilities (100) and the loss's gradient (4),
+    # the log-probabilities' gradient (100) and the logits' gradient (100).
+    assert phases(simulate(graph), "backward")[0] == ("loss", 100, 304)
+
+
+@pytest.mark.parametrize("aliased", [True, False])
+def test_a_cast_that_returned_its_input_hands_its_gradient_on(aliased):
+    """``x.to(x.dtype)`` returns x itself: its gradient goes on as it came. A cast that
+    copied makes a new gradient for its input."""
+    nodes = [Node("a", "linear", mem=100), Node("b", "to", mem=100), Node("c", "sum", mem=4)]
+    meta = {"saved_refs": {}, "outputs": ["c"], "aliases": {"b": "a"} if aliased else {}}
+    backward = phases(simulate(Graph(nodes, [("a", "b"), ("b", "c")], meta)), "backward")
+    assert backward[1] == ("b", 100, 100 if aliased else 200)
+
+
 def test_recompute_plan_lowers_the_peak_to_the_hand_computed_figure():
     g = Graph.chain([10, 10, 10, 10, 10, 10])  # saved = mem, as extra blocks (no meta)
     plain = simulate(g)

@@ -132,6 +132,7 @@ class Workspace:
         self.meter = meter
         self.enabled = self.cuda or meter is not None
         self._windows: list[tuple[dict[str, int], str, int, int]] = []
+        self._spans: list[tuple[dict[str, int], str, int, list[Any], int]] = []
         self.scratch_buffers = 0
         """CPU, under an allocation log: the most buffers the C library maps on their own
         (``meter.mapped_buffer_bytes`` and over) that one op allocated and held at once."""
@@ -161,6 +162,29 @@ class Workspace:
             peak, after = self.meter.peak, self.meter.live
         into[vid] = max(into[vid], int(peak - max(before, after)))
 
+    def node_peak(self, before: int) -> Any:
+        """The peak since :meth:`start` returned ``before``, for :meth:`stop_span` (under
+        the CPU log: the window, resolved in :meth:`settle`; without a meter: None)."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.meter is None:
+            return None
+        if isinstance(self.meter, AllocationLog):
+            return (before, self.meter.mark())
+        return self.meter.peak
+
+    def stop_span(self, first: int, peaks: list[Any], handed: int, into: dict[str, int], vid: str) -> None:
+        """Raise ``into[vid]`` to the backward workspace of an op that ran as several
+        autograd nodes: its highest bytes over them (``peaks``, from :meth:`node_peak`)
+        above the bytes in use when the first started (``first``, from :meth:`start`) and
+        the new gradients it handed on (``handed``, which the simulator allocates itself)."""
+        if any(peak is None for peak in peaks):
+            return
+        if isinstance(self.meter, AllocationLog) and not self.cuda:
+            self._spans.append((into, vid, first, peaks, handed))
+            return
+        into[vid] = max(into[vid], int(max(peaks) - first - handed))
+
     def settle(self) -> None:
         """The CPU log's workspaces, once it has exited."""
         if not isinstance(self.meter, AllocationLog):
@@ -170,6 +194,10 @@ class Workspace:
             into[vid] = max(into[vid], peak - max(before, after))
             self.scratch_buffers = max(self.scratch_buffers, self.meter.mapped_window(start, end))
         self._windows.clear()
+        for into, vid, first, windows, handed in self._spans:
+            peak = max(self.meter.window(start, end)[1] for start, end in windows)
+            into[vid] = max(into[vid], peak - self.meter.levels[first] - handed)
+        self._spans.clear()
 
 
 # ---- what one measured step records ------------------------------------------------------------
@@ -210,6 +238,49 @@ class OpRecord:
         self.pending.clear()
 
 
+class _Span:
+    """The autograd nodes of one op whose backward runs as several (a composite op:
+    ``cross_entropy`` is ``nll_loss`` of ``log_softmax``, ``linear`` an ``addmm`` of a
+    transpose, the math attention a chain of ``bmm``/``softmax``/``dropout``). The gradients
+    its nodes pass each other are live during its backward, and neither a gradient it hands
+    on nor any one node's workspace, so the op's backward workspace is read over all of them
+    (:meth:`Workspace.stop_span`) once each has run."""
+
+    def __init__(self, nodes: list[Any]) -> None:
+        self.nodes = set(nodes)
+        self.left = len(nodes)
+        self.first: int = 0
+        self.entered = False
+        self.peaks: list[Any] = []
+        self.handed = 0
+        """Bytes of the new gradient storages handed to nodes of other ops."""
+        self._incoming: set[int] = set()
+        self._made: set[int] = set()
+        self._counted: set[int] = set()
+
+    def enter(self, before: int, grad_outputs: Any) -> None:
+        if not self.entered:
+            self.entered, self.first = True, before
+        for grad in grad_outputs:
+            if isinstance(grad, torch.Tensor):
+                ptr = storage_of(grad)[0]
+                if ptr not in self._made:
+                    self._incoming.add(ptr)
+
+    def leave(self, fn: Any, grad_inputs: Any, peak: Any) -> None:
+        self.left -= 1
+        self.peaks.append(peak)
+        for grad, (nxt, _) in zip(grad_inputs, fn.next_functions):
+            if not isinstance(grad, torch.Tensor):
+                continue
+            ptr, size = storage_of(grad)
+            self._made.add(ptr)
+            if nxt is None or nxt in self.nodes or ptr in self._incoming or ptr in self._counted:
+                continue
+            self._counted.add(ptr)
+            self.handed += size
+
+
 class BackwardTimer:
     """Hooks on the autograd nodes an op created, charging their time and workspace to it."""
 
@@ -223,6 +294,7 @@ class BackwardTimer:
         hooks must go when the op's backward has run (:meth:`clear`)."""
 
     def attach(self, vid: str, outputs: Iterable[torch.Tensor], record: OpRecord) -> None:
+        nodes: list[Any] = []
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         while stack:
             fn = stack.pop()
@@ -232,19 +304,30 @@ class BackwardTimer:
             variable = getattr(fn, "variable", None)
             if variable is not None and id(variable) in self.skip_leaves:
                 continue  # gradient of a detached copy made by the safe mode
-            self._hook(vid, fn, record)
+            nodes.append(fn)
             stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+        # A parameter's AccumulateGrad node keeps what it is given: a gradient handed on.
+        inner = [fn for fn in nodes if getattr(fn, "variable", None) is None]
+        span = _Span(inner) if len(inner) > 1 else None
+        for fn in nodes:
+            self._hook(vid, fn, record, span if span is not None and fn in span.nodes else None)
 
-    def _hook(self, vid: str, fn: Any, record: OpRecord) -> None:
+    def _hook(self, vid: str, fn: Any, record: OpRecord, span: _Span | None = None) -> None:
         state: dict[str, Any] = {}
 
         def pre(grad_outputs: Any) -> None:
             state["ws"] = self.workspace.start()
+            if span is not None:
+                span.enter(state["ws"], grad_outputs)
             state["start"] = self.clock.begin()
 
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             end = self.clock.mark()
+            if span is not None:
+                span.leave(fn, grad_inputs, self.workspace.node_peak(state.get("ws", 0)))
             self.workspace.stop(state.get("ws", 0), record.ws_bwd, vid)
+            if span is not None and span.left == 0:
+                self.workspace.stop_span(span.first, span.peaks, span.handed, record.ws_bwd, vid)
             record.pending.append((vid, "bwd", state.get("start"), end))
 
         try:

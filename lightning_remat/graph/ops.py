@@ -31,7 +31,7 @@ from torch import nn
 from lightning_remat.graph.ir import Graph
 
 __all__ = [
-    "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
+    "CAST_OPS", "GRAD_PASSTHROUGH_OPS", "INTERNAL_GRADIENT_OPS", "RANDOM_OPS", "VIEW_OPS",
     "draws_random", "inplace_operands", "keepable", "mutated_operand", "random_vertices",
     "viewed_operand", "written_attributes",
 ]
@@ -45,7 +45,7 @@ VIEW_OPS = frozenset({
 contiguous tensors a traced forward usually passes it)."""
 
 GRAD_PASSTHROUGH_OPS = frozenset({
-    "add", "iadd", "__add__", "__iadd__", "view", "reshape", "flatten", "unflatten", "squeeze",
+    "add", "iadd", "__add__", "__iadd__", "view", "reshape", "flatten", "unflatten", "squeeze", "alias",
     "unsqueeze", "transpose", "permute", "t", "view_as", "Flatten", "Unflatten", "Identity",
     "contiguous", "cat", "concat", "concatenate", "stack", "hstack", "vstack",
 })
@@ -62,9 +62,15 @@ RANDOM_OPS = frozenset({
 })
 """Op names that draw random numbers: the fallback for graphs without ``meta.random``."""
 
-INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy"})
+CAST_OPS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+"""Casts: where the tensor has the dtype and device asked for they return it itself (its
+storage, no autograd node), and the gradient goes on as it came; where they copied (a new
+storage), their backward casts the gradient into a new buffer."""
+
+INTERNAL_GRADIENT_OPS = frozenset({"cross_entropy", "cross_entropy_loss"})
 """Composite ops whose backward runs as several autograd nodes with an internal gradient
-between them as large as what they save besides their inputs: ``cross_entropy`` is
+between them as large as what they save besides their inputs: ``cross_entropy`` (``aten.
+cross_entropy_loss`` in a torch.export capture) is
 ``nll_loss(log_softmax(x))``; NLL's backward makes the gradient of the log-probabilities
 (the size of the saved log-softmax) and log-softmax's backward then makes the gradient of
 ``x`` while it is live. Where the profiler measured no backward workspace (on CPU it cannot)

@@ -160,6 +160,12 @@ def per_submodule_plan(graph: Graph, plan: Plan, budget_bytes: int | None) -> Pl
     actions = plan.action_of()
     split = make_plan(graph, [Stage([v], actions.get(v, "keep")) for v in graph.ids],
                       plan.solver, budget_bytes, whole_stages=True)
+    if plan.solver == "auto:plain":
+        # The plain step was measured within the budget (solve_within): the measurement,
+        # not the prediction and its margin, is what holds it.
+        split.feasible = True
+        split.notes.extend(plan.notes)
+        return split
     if fits(split, budget_bytes):
         return split
     chosen = {v: "recompute" for v in graph.ids}

@@ -82,7 +82,7 @@ from collections import defaultdict
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.ops import GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS
+from lightning_remat.graph.ops import CAST_OPS, GRAD_PASSTHROUGH_OPS, INTERNAL_GRADIENT_OPS
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import (
     Schedule,
@@ -589,12 +589,13 @@ class StepSimulation(VertexFacts):
     def _pass_gradient(self, v: str, my_grad: object) -> int:
         """v's backward hands a gradient to each predecessor that needs one; returns the
         bytes live only at this op's peak (fresh gradients added into an existing one)."""
-        passthrough = self.node[v].op in GRAD_PASSTHROUGH_OPS
+        op = self.node[v].op
+        passthrough = op in GRAD_PASSTHROUGH_OPS
         peak_extra = 0
         for u in self.pred[v]:
             if not self.requires[u]:
                 continue
-            if passthrough:
+            if passthrough or (op in CAST_OPS and self.base[u] == self.base[v]):
                 incoming = my_grad
                 self.mem.hold(incoming)
             else:
