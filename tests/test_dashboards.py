@@ -5,11 +5,15 @@ import sys
 import time
 import urllib.request
 import warnings
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_remat.cli import main as cli_main
 from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
@@ -23,18 +27,19 @@ TIMELINE_TAGS = {"remat/timeline/measured", "remat/timeline/predicted", "remat/t
 
 @pytest.fixture(scope="module")
 def remat_run(tmp_path_factory):
+    """A ConvNet (captured by torch.fx) trained at 50% with the Trainer's default logger."""
     root = tmp_path_factory.mktemp("run")
     pl.seed_everything(0)
-    logger = TensorBoardLogger(str(root), name="tb", version=0)
     kwargs = trainer_kwargs(root, max_epochs=1)
-    kwargs["logger"] = logger
+    kwargs["logger"] = True  # the default: a TensorBoardLogger under default_root_dir
     trainer = pl.Trainer(strategy=RematStrategy(memory_budget="50%", cache_dir=root / "cache"), **kwargs)
+    assert isinstance(trainer.logger, TensorBoardLogger)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(ConvNet(), loaders()[0])
     trainer.caught_warnings = [str(w.message) for w in caught]
-    logger.experiment.flush()
-    return root / "tb" / "version_0", trainer
+    trainer.logger.experiment.flush()
+    return Path(trainer.logger.log_dir), trainer
 
 
 def _accumulator(log_dir):
@@ -62,7 +67,7 @@ def test_strategy_adds_the_logger_and_writes_every_tag(remat_run):
     # Each op's highest bytes: the line's top is the plan's predicted peak.
     assert max(series) == pytest.approx(entry.plan.predicted_peak_bytes, rel=1e-6)
     measured = acc.Scalars("remat/timeline/measured")
-    assert len(measured) > len(entry.graph)  # forward and backward ops
+    assert len(measured) == len(series) > 2 * len(entry.graph)  # forward and backward ops
 
 
 def test_the_plan_made_inside_a_metered_step_is_profiled_with_the_allocation_log(remat_run):
@@ -72,6 +77,118 @@ def test_the_plan_made_inside_a_metered_step_is_profiled_with_the_allocation_log
     _, trainer = remat_run
     assert not [m for m in trainer.caught_warnings if m.startswith("another torch.profiler")]
     assert trainer.strategy.planner.last.graph.meta.plain_peak_bytes > 0
+
+
+# ---- each capture's timeline, read back with TensorBoard's reader --------------------------------
+class LlamaLM(pl.LightningModule):
+    """A tiny Llama as transformers ships its config (the cache on, sdpa attention, dropout
+    as set), whose forward calls the model with keywords: torch.fx cannot trace it, so
+    non-strict torch.export captures it. The training step leaves ``attention_mask`` out,
+    so only keywords bind ``labels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.hf_architectures import build
+
+        torch.manual_seed(0)
+        self.model, call = build("llama", batch=8, length=64)
+        self.rows = [{"input_ids": i, "labels": y} for i, y in zip(call["input_ids"], call["labels"])]
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    def training_step(self, batch, batch_idx):
+        return self(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(self.rows, batch_size=len(self.rows))
+
+
+class BranchyLM(pl.LightningModule):
+    """A forward neither torch.fx nor torch.export captures (a branch on a tensor's value):
+    its own forward runs, with its submodules checkpointed where it calls them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Sequential(nn.Linear(64, 256), nn.ReLU())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh())
+                                    for _ in range(6))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.sum() < -1e9:  # never true, but no capture can know
+            h = -h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(2048, 64, generator=g), torch.randint(0, 10, (2048,), generator=g))
+        return DataLoader(data, batch_size=2048)
+
+
+CAPTURES = {"torch.fx": "capture: torch.fx", "torch.export": "capture: torch.export",
+            "own forward": "capture: the module's own forward"}
+
+
+@pytest.fixture(scope="module", params=list(CAPTURES))
+def captured_run(request, tmp_path_factory):
+    """One training step at a fraction of the plain peak with the Trainer's default logger,
+    for each capture: the ConvNet run for torch.fx."""
+    if request.param == "torch.fx":
+        return request.param, *request.getfixturevalue("remat_run")
+    if request.param == "torch.export":
+        pytest.importorskip("transformers")
+        module, budget = LlamaLM(), "50%"
+    else:
+        module, budget = BranchyLM(), "75%"
+    root = tmp_path_factory.mktemp("capture")
+    kwargs = trainer_kwargs(root, max_steps=1)
+    kwargs["logger"] = True
+    trainer = pl.Trainer(strategy=RematStrategy(memory_budget=budget, cache_dir=root / "cache"), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the capture's own warning, Lightning's about the loader
+        trainer.fit(module)
+    trainer.logger.experiment.flush()
+    return request.param, Path(trainer.logger.log_dir), trainer
+
+
+def test_the_measured_line_has_a_point_per_predicted_op_over_the_forward_and_the_backward(captured_run):
+    """Every capture: the measured timeline as TensorBoard reads it has one point per op of
+    the predicted one, forward and backward, on the same x axis (the op's index), each the
+    same op's reading; the budget line spans it."""
+    capture, log_dir, trainer = captured_run
+    entry = trainer.strategy.planner.last
+    assert any(note.startswith(CAPTURES[capture]) for note in entry.plan.notes), entry.plan.notes
+    events = entry.predicted_timeline().events
+    n = len(events)
+    acc = _accumulator(log_dir)
+    predicted, measured = acc.Scalars("remat/timeline/predicted"), acc.Scalars("remat/timeline/measured")
+    assert [e.step for e in measured] == [e.step for e in predicted] == list(range(n))
+    assert {"forward", "backward"} <= {e.phase for e in events}
+    predicted_values, measured_values = [e.value for e in predicted], [e.value for e in measured]
+    peak = max(predicted_values)
+    beside = [abs(m - p) <= 0.1 * peak for m, p in zip(measured_values, predicted_values)]
+    backward = [i for i, e in enumerate(events) if e.phase != "forward"]
+    assert sum(beside) >= 0.9 * n
+    assert sum(beside[i] for i in backward) >= 0.9 * len(backward)
+    assert abs(max(measured_values) - peak) <= 0.1 * peak
+    budget = acc.Scalars("remat/timeline/budget")
+    assert [e.step for e in budget] == [0, n - 1]
+    assert budget[0].value == pytest.approx(entry.budget_bytes, rel=1e-6)
 
 
 def test_callback_alone_logs_measured_scalars(tmp_path):

@@ -172,7 +172,9 @@ class MemoryTimelineLogger(pl.Callback):
         # Each op's highest bytes (not what is live after it): the series' maxima are the
         # step's peaks, the plan summary's predicted peak and the step's measured one.
         if self.timeline and entry.example is not None and self._replays(trainer):
-            measured = [p.peak_bytes for p in entry.measure_timeline()]
+            # One point per op of the predicted line, on its x axis (Planned.measure_timeline).
+            loss_fn = getattr(self._planner(trainer), "loss_fn", None)
+            measured = [p.peak_bytes for p in entry.measure_timeline(loss_fn)]
         for i, e in enumerate(predicted.events):
             writer.add_scalar(f"{TAG}/timeline/predicted", e.peak_bytes, i)
         for i, value in enumerate(measured):
