@@ -20,9 +20,10 @@ from lightning_remat.lightning.memory_timeline import MemoryTimelineLogger
 from lightning_remat.lightning.strategy import RematStrategy
 from tests.lit_models import ConvNet, loaders, trainer_kwargs
 
-STEP_TAGS = {"remat/peak_bytes", "remat/step_seconds", "remat/budget_bytes",
-             "remat/predicted_peak_bytes", "remat/extra_time_ratio"}
-TIMELINE_TAGS = {"remat/timeline/measured", "remat/timeline/predicted", "remat/timeline/budget"}
+STEP_TAGS = {"remat/peak_MiB", "remat/step_seconds", "remat/budget_MiB",
+             "remat/predicted_peak_MiB", "remat/extra_time_ratio"}
+TIMELINE_TAGS = {"remat/timeline/measured_MiB", "remat/timeline/predicted_MiB", "remat/timeline/budget_MiB"}
+MIB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +57,17 @@ def test_strategy_adds_the_logger_and_writes_every_tag(remat_run):
     assert STEP_TAGS | TIMELINE_TAGS <= scalars
     assert "remat/timeline" in acc.Tags()["images"]
     assert "remat/plan/text_summary" in acc.Tags()["tensors"]
-    peaks = acc.Scalars("remat/peak_bytes")
+    peaks = acc.Scalars("remat/peak_MiB")
     assert len(peaks) == trainer.global_step and all(e.value > 0 for e in peaks)
-    budget = acc.Scalars("remat/budget_bytes")[0].value
-    predicted = acc.Scalars("remat/predicted_peak_bytes")[0].value
+    budget = acc.Scalars("remat/budget_MiB")[0].value
+    predicted = acc.Scalars("remat/predicted_peak_MiB")[0].value
     assert 0 < predicted <= budget
     entry = trainer.strategy.planner.last
-    series = [e.value for e in acc.Scalars("remat/timeline/predicted")]
-    assert series == pytest.approx([e.peak_bytes for e in entry.predicted_timeline().events], rel=1e-6)
+    series = [e.value for e in acc.Scalars("remat/timeline/predicted_MiB")]
+    assert series == pytest.approx([e.peak_bytes / MIB for e in entry.predicted_timeline().events], rel=1e-6)
     # Each op's highest bytes: the line's top is the plan's predicted peak.
-    assert max(series) == pytest.approx(entry.plan.predicted_peak_bytes, rel=1e-6)
-    measured = acc.Scalars("remat/timeline/measured")
+    assert max(series) == pytest.approx(entry.plan.predicted_peak_bytes / MIB, rel=1e-6)
+    measured = acc.Scalars("remat/timeline/measured_MiB")
     assert len(measured) == len(series) > 2 * len(entry.graph)  # forward and backward ops
 
 
@@ -176,7 +177,7 @@ def test_the_measured_line_has_a_point_per_predicted_op_over_the_forward_and_the
     events = entry.predicted_timeline().events
     n = len(events)
     acc = _accumulator(log_dir)
-    predicted, measured = acc.Scalars("remat/timeline/predicted"), acc.Scalars("remat/timeline/measured")
+    predicted, measured = acc.Scalars("remat/timeline/predicted_MiB"), acc.Scalars("remat/timeline/measured_MiB")
     assert [e.step for e in measured] == [e.step for e in predicted] == list(range(n))
     assert {"forward", "backward"} <= {e.phase for e in events}
     predicted_values, measured_values = [e.value for e in predicted], [e.value for e in measured]
@@ -186,9 +187,28 @@ def test_the_measured_line_has_a_point_per_predicted_op_over_the_forward_and_the
     assert sum(beside) >= 0.9 * n
     assert sum(beside[i] for i in backward) >= 0.9 * len(backward)
     assert abs(max(measured_values) - peak) <= 0.1 * peak
-    budget = acc.Scalars("remat/timeline/budget")
+    budget = acc.Scalars("remat/timeline/budget_MiB")
     assert [e.step for e in budget] == [0, n - 1]
-    assert budget[0].value == pytest.approx(entry.budget_bytes, rel=1e-6)
+    assert budget[0].value == pytest.approx(entry.budget_bytes / MIB, rel=1e-6)  # MiB, not bytes
+
+
+def test_the_custom_scalars_charts_plot_logged_series_in_mib(remat_run):
+    """The custom-scalars layout as TensorBoard reads it: every chart's series is logged,
+    and in MiB (its axis reads 25.0, not 2.6e+07)."""
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    log_dir, trainer = remat_run
+    acc = _accumulator(log_dir)
+    proto = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)[-1].tensor_proto
+    layout = layout_pb2.Layout.FromString(proto.string_val[0])
+    charts = [chart for category in layout.category for chart in category.chart]
+    assert len(charts) == 2 and all("MiB" in chart.title for chart in charts)
+    scalars = set(acc.Tags()["scalars"])
+    for chart in charts:
+        tags = list(chart.multiline.tag)
+        assert tags and all(tag.endswith("_MiB") and tag in scalars for tag in tags), tags
+    step_peak = acc.Scalars("remat/peak_MiB")[0].value
+    assert 1 < step_peak < 1024  # the ConvNet's step: tens of MiB, read as MiB
 
 
 def test_callback_alone_logs_measured_scalars(tmp_path):
@@ -198,7 +218,7 @@ def test_callback_alone_logs_measured_scalars(tmp_path):
     pl.Trainer(strategy="auto", **kwargs).fit(ConvNet(), loaders()[0])
     logger.experiment.flush()
     scalars = set(_accumulator(tmp_path / "tb" / "version_0").Tags()["scalars"])
-    assert {"remat/peak_bytes", "remat/step_seconds"} <= scalars
+    assert {"remat/peak_MiB", "remat/step_seconds"} <= scalars
     assert not scalars & TIMELINE_TAGS
 
 
@@ -235,6 +255,22 @@ def test_the_timeline_figure_leaves_matplotlibs_backend_and_figures_as_they_were
         plt.switch_backend(before)
 
 
+def test_report_reads_the_bytes_series_of_logs_written_before_mib(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_remat.report import read_run
+
+    writer = SummaryWriter(str(tmp_path))
+    for i, value in enumerate([1 * MIB, 3 * MIB, 2 * MIB]):
+        writer.add_scalar("remat/timeline/predicted", value, i)
+        writer.add_scalar("remat/timeline/measured", value + 1024, i)
+    writer.add_scalar("remat/timeline/budget", 4 * MIB, 0)
+    writer.close()
+    report = read_run(tmp_path)
+    assert report.predicted == [MIB, 3 * MIB, 2 * MIB]
+    assert report.measured == [MIB + 1024, 3 * MIB + 1024, 2 * MIB + 1024] and report.budget == 4 * MIB
+
+
 def test_report_on_a_dir_without_logs_says_what_to_do(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "TensorBoardLogger" in capsys.readouterr().err
@@ -267,7 +303,7 @@ def test_tensorboard_server_serves_the_tags_and_the_image(remat_run):
         while time.monotonic() < deadline:
             try:
                 tags = json.loads(_get(f"{base}/data/plugin/scalars/tags"))
-                if tags and any("remat/timeline/predicted" in t for t in tags.values()):
+                if tags and any("remat/timeline/predicted_MiB" in t for t in tags.values()):
                     break
             except OSError:
                 pass

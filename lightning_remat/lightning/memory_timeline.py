@@ -1,16 +1,17 @@
 """TensorBoard dashboards: per-step memory scalars and a step's timeline, measured beside
 predicted (docs/design.md section 7).
 
-Tags written (all under ``remat/``):
+Tags written (all under ``remat/``; memory in MiB, :data:`~lightning_remat.report.MIB`):
 
-- per step: ``remat/peak_bytes``, ``remat/reserved_bytes`` (CUDA), ``remat/budget_bytes``,
-  ``remat/predicted_peak_bytes``, ``remat/step_seconds``, ``remat/extra_time_ratio``
+- per step: ``remat/peak_MiB``, ``remat/reserved_MiB`` (CUDA), ``remat/budget_MiB``,
+  ``remat/predicted_peak_MiB``, ``remat/step_seconds``, ``remat/extra_time_ratio``
   (step time over the profiled plain step);
 - whenever a plan is made: the figure ``remat/timeline`` (matplotlib), the scalar series
-  ``remat/timeline/measured`` and ``remat/timeline/predicted`` (x: op index; y: the
-  highest bytes during each op, so each series' maximum is that step's peak), the text
-  ``remat/plan`` (markdown table), hparams, and a custom-scalars layout that puts measured,
-  predicted and the budget on one chart.
+  ``remat/timeline/measured_MiB`` and ``remat/timeline/predicted_MiB`` (x: the op's index
+  in the predicted timeline, one point per op of its forward, recomputations and backward;
+  y: the highest MiB during each op, so each series' maximum is that step's peak) and
+  ``remat/timeline/budget_MiB``, the text ``remat/plan`` (markdown table), hparams, and a
+  custom-scalars layout that puts measured, predicted and the budget on one chart.
 
 The measured timeline replays the planned call op by op in one process. Across ranks
 (DDP, FSDP) or in a sharded module no rank replays alone: the module's collectives (FSDP's
@@ -28,7 +29,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_remat.measure import peak as measured
-from lightning_remat.report import TAG, format_plan, timeline_figure
+from lightning_remat.report import MIB, STEP_MEMORY, TAG, TIMELINE, format_plan, timeline_figure
 
 __all__ = ["MemoryTimelineLogger"]
 
@@ -128,14 +129,14 @@ class MemoryTimelineLogger(pl.Callback):
         if pending is not None:
             self._log_plan(trainer, writer, pending, step, measured_peak=peak)
         entry = self._log_new_plan(trainer)
-        writer.add_scalar(f"{TAG}/peak_bytes", peak, step)
+        writer.add_scalar(STEP_MEMORY["peak"], peak / MIB, step)
         writer.add_scalar(f"{TAG}/step_seconds", seconds, step)
         if reserved is not None:
-            writer.add_scalar(f"{TAG}/reserved_bytes", reserved, step)
+            writer.add_scalar(STEP_MEMORY["reserved"], reserved / MIB, step)
         if entry is not None:
             if entry.budget_bytes:
-                writer.add_scalar(f"{TAG}/budget_bytes", entry.budget_bytes, step)
-            writer.add_scalar(f"{TAG}/predicted_peak_bytes", entry.plan.predicted_peak_bytes, step)
+                writer.add_scalar(STEP_MEMORY["budget"], entry.budget_bytes / MIB, step)
+            writer.add_scalar(STEP_MEMORY["predicted_peak"], entry.plan.predicted_peak_bytes / MIB, step)
             plain_step = entry.graph.meta.step_seconds
             if plain_step:
                 writer.add_scalar(f"{TAG}/extra_time_ratio", seconds / plain_step, step)
@@ -176,12 +177,12 @@ class MemoryTimelineLogger(pl.Callback):
             loss_fn = getattr(self._planner(trainer), "loss_fn", None)
             measured = [p.peak_bytes for p in entry.measure_timeline(loss_fn)]
         for i, e in enumerate(predicted.events):
-            writer.add_scalar(f"{TAG}/timeline/predicted", e.peak_bytes, i)
+            writer.add_scalar(TIMELINE["predicted"], e.peak_bytes / MIB, i)
         for i, value in enumerate(measured):
-            writer.add_scalar(f"{TAG}/timeline/measured", value, i)
+            writer.add_scalar(TIMELINE["measured"], value / MIB, i)
         if entry.budget_bytes:
             for i in (0, max(len(predicted.events) - 1, 0)):
-                writer.add_scalar(f"{TAG}/timeline/budget", entry.budget_bytes, i)
+                writer.add_scalar(TIMELINE["budget"], entry.budget_bytes / MIB, i)
         title = f"{entry.plan.solver}: step {step}, {len(entry.plan.stages)} stages"
         events = predicted.events
         figure = timeline_figure(
@@ -204,10 +205,10 @@ class MemoryTimelineLogger(pl.Callback):
         if not self._layout_written:
             writer.add_custom_scalars({
                 "lightning-remat": {
-                    "timeline: measured vs predicted vs budget": [
-                        "Multiline", [f"{TAG}/timeline/measured", f"{TAG}/timeline/predicted", f"{TAG}/timeline/budget"]],
-                    "step peak vs budget": [
-                        "Multiline", [f"{TAG}/peak_bytes", f"{TAG}/predicted_peak_bytes", f"{TAG}/budget_bytes"]],
+                    "timeline (MiB per op): measured vs predicted vs budget": [
+                        "Multiline", [TIMELINE["measured"], TIMELINE["predicted"], TIMELINE["budget"]]],
+                    "step peak (MiB): measured vs predicted vs budget": [
+                        "Multiline", [STEP_MEMORY["peak"], STEP_MEMORY["predicted_peak"], STEP_MEMORY["budget"]]],
                 }
             })
             self._layout_written = True
