@@ -211,6 +211,53 @@ def test_the_custom_scalars_charts_plot_logged_series_in_mib(remat_run):
     assert 1 < step_peak < 1024  # the ConvNet's step: tens of MiB, read as MiB
 
 
+def _hparams_table(log_dir):
+    """The HParams dashboard's experiment (its columns) and session groups (its rows), as
+    TensorBoard's hparams plugin serves them for ``log_dir``."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import (
+        api_pb2,
+        backend_context,
+        get_experiment,
+        list_session_groups,
+    )
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(log_dir))
+    multiplexer.Reload()
+    backend = backend_context.Context(base_plugin.TBContext(
+        logdir=str(log_dir), multiplexer=multiplexer,
+        data_provider=data_provider.MultiplexerDataProvider(multiplexer, str(log_dir))))
+    request_context = context.RequestContext()
+    experiment = get_experiment.Handler(request_context, backend, "", api_pb2.GetExperimentRequest()).run()
+    every_status = [api_pb2.STATUS_UNKNOWN, api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE, api_pb2.STATUS_RUNNING]
+    groups = list_session_groups.Handler(request_context, backend, "", api_pb2.ListSessionGroupsRequest(
+        start_index=0, slice_size=100, allowed_statuses=every_status)).run()
+    return experiment, list(groups.session_groups)
+
+
+def test_the_hparams_row_has_the_budget_and_the_solver(captured_run):
+    """Every capture: TensorBoard's HParams dashboard shows the budget as given and the
+    solver in the run's row, with the budget and the peaks in MiB as its metrics, beside
+    the hyperparameters Lightning logs (the ConvNet's own)."""
+    capture, log_dir, trainer = captured_run
+    experiment, groups = _hparams_table(log_dir)
+    columns = {h.name for h in experiment.hparam_infos}
+    assert {"remat/memory_budget", "remat/solver"} <= columns
+    assert {"remat/budget_MiB", "remat/predicted_peak_MiB", "remat/peak_MiB"} <= {m.name.tag for m in experiment.metric_infos}
+    [row] = groups
+    assert row.hparams["remat/memory_budget"].string_value == str(trainer.strategy.memory_budget)
+    assert row.hparams["remat/solver"].string_value == "auto"
+    metrics = {m.name.tag: m.value for m in row.metric_values}
+    entry = trainer.strategy.planner.last
+    assert metrics["remat/budget_MiB"] == pytest.approx(entry.budget_bytes / MIB, rel=1e-6)
+    assert metrics["remat/predicted_peak_MiB"] == pytest.approx(entry.plan.predicted_peak_bytes / MIB, rel=1e-6)
+    if capture == "torch.fx":  # the ConvNet saves its hyperparameters: Lightning's columns stay
+        assert {"channels", "lr"} <= columns and row.hparams["lr"].number_value == pytest.approx(0.05)
+
+
 def test_callback_alone_logs_measured_scalars(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
     kwargs = trainer_kwargs(tmp_path, max_epochs=1, callbacks=[MemoryTimelineLogger()])
