@@ -19,12 +19,22 @@ if TYPE_CHECKING:  # only annotations: rendering a plan (the CLI's solve) loads 
     from lightning_remat.tuning.search import SearchResult
 
 __all__ = [
-    "TAG", "BatchSizeReport", "RunReport", "format_plan", "read_run", "timeline_figure",
-    "write_png",
+    "MIB", "STEP_MEMORY", "TAG", "TIMELINE", "BatchSizeReport", "RunReport", "format_plan", "read_run",
+    "timeline_figure", "write_png",
 ]
 
 TAG = "remat"
 """The prefix of every TensorBoard tag the package writes."""
+MIB = 2**20
+"""Bytes per MiB, the unit of every memory scalar the dashboards write: TensorBoard's axes
+carry no unit, and bytes read as 1.1e+08 on them (docs/design.md section 7)."""
+TIMELINE = {kind: f"{TAG}/timeline/{kind}_MiB" for kind in ("measured", "predicted", "budget")}
+"""A plan's timeline as scalar series in MiB (x: the op's index in the predicted timeline)."""
+STEP_MEMORY = {kind: f"{TAG}/{kind}_MiB" for kind in ("peak", "reserved", "budget", "predicted_peak")}
+"""Each logged step's memory scalars in MiB."""
+_BYTES_TAGS = {"measured": f"{TAG}/timeline/measured", "predicted": f"{TAG}/timeline/predicted",
+               "budget": f"{TAG}/timeline/budget", "peak": f"{TAG}/peak_bytes"}
+"""The same series in bytes, as logs written before MiB hold them (read back by :func:`read_run`)."""
 
 
 # ---- a plan ------------------------------------------------------------------------------------
@@ -194,12 +204,11 @@ def timeline_figure(
 
     fig = Figure(figsize=(10, 4.5))
     ax = fig.subplots()
-    mib = 2**20
-    ax.plot([v / mib for v in predicted], label="predicted", color="tab:orange")
+    ax.plot([v / MIB for v in predicted], label="predicted", color="tab:orange")
     if measured:
-        ax.plot([v / mib for v in measured], label="measured", color="tab:blue")
+        ax.plot([v / MIB for v in measured], label="measured", color="tab:blue")
     if budget:
-        ax.axhline(budget / mib, color="tab:red", linestyle="--", label="budget")
+        ax.axhline(budget / MIB, color="tab:red", linestyle="--", label="budget")
     if n_forward:
         ax.axvspan(0, n_forward, color="0.92", zorder=0, label="forward")
     for i in stage_starts:
@@ -232,6 +241,16 @@ def find_event_dirs(run_dir: str | Path) -> list[Path]:
     return sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
 
 
+def _in_bytes(acc: Any, kind: str, tag: str) -> list[float]:
+    """A series of the events ``acc`` holds, in bytes: its MiB ``tag``, else the bytes tag
+    logs written before it used."""
+    scalars = set(acc.Tags().get("scalars", []))
+    if tag in scalars:
+        return [e.value * MIB for e in acc.Scalars(tag)]
+    old = _BYTES_TAGS[kind]
+    return [e.value for e in acc.Scalars(old)] if old in scalars else []
+
+
 def read_run(run_dir: str | Path) -> RunReport:
     """The latest plan's timeline and table from a log dir, with TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -240,17 +259,13 @@ def read_run(run_dir: str | Path) -> RunReport:
     for event_dir in reversed(dirs):
         acc = EventAccumulator(str(event_dir), size_guidance={"scalars": 0, "tensors": 0})
         acc.Reload()
-        scalars = set(acc.Tags().get("scalars", []))
-        if f"{TAG}/timeline/predicted" not in scalars:
+        predicted = _in_bytes(acc, "predicted", TIMELINE["predicted"])
+        if not predicted:
             continue
-        report = RunReport(event_dir)
-        report.predicted = [e.value for e in acc.Scalars(f"{TAG}/timeline/predicted")]
-        if f"{TAG}/timeline/measured" in scalars:
-            report.measured = [e.value for e in acc.Scalars(f"{TAG}/timeline/measured")]
-        if f"{TAG}/timeline/budget" in scalars:
-            report.budget = acc.Scalars(f"{TAG}/timeline/budget")[-1].value
-        if f"{TAG}/peak_bytes" in scalars:
-            report.step_peaks = [e.value for e in acc.Scalars(f"{TAG}/peak_bytes")]
+        report = RunReport(event_dir, predicted=predicted)
+        report.measured = _in_bytes(acc, "measured", TIMELINE["measured"])
+        report.budget = (_in_bytes(acc, "budget", TIMELINE["budget"]) or [None])[-1]
+        report.step_peaks = _in_bytes(acc, "peak", STEP_MEMORY["peak"])
         text_tag = f"{TAG}/plan/text_summary"
         if text_tag in acc.Tags().get("tensors", []):
             proto = acc.Tensors(text_tag)[-1].tensor_proto

@@ -63,8 +63,8 @@ def test_the_memory_dashboard_reads_cuda_counters_without_syncing_and_only_on_lo
         trainer.global_step = step
         callback.on_train_batch_start(trainer, module, None, step)
         callback.on_train_batch_end(trainer, module, None, None, step)
-    peaks = [(value, step) for tag, value, step in writer.scalars if tag == "remat/peak_bytes"]
-    assert peaks == [(4000, 0), (4000, 3)]  # peak above the step's base, steps 0 and 3 only
+    peaks = [(value, step) for tag, value, step in writer.scalars if tag == "remat/peak_MiB"]
+    assert peaks == [(4000 / 2**20, 0), (4000 / 2**20, 3)]  # peak above the step's base, steps 0 and 3 only
     assert counters.reads.count("max_memory_allocated") == 2
     assert counters.reads.count("reset_peak_memory_stats") == 2
 

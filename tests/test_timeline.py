@@ -7,7 +7,8 @@ import torch
 from test_simulate import run_isolated
 from torch import nn
 
-from lightning_remat.measure.timeline import record_timeline
+from lightning_remat.measure.timeline import TimelinePoint, aligned, record_timeline
+from lightning_remat.planner import Planner, PlanSettings
 
 _RECORD = r"""
 import json
@@ -61,7 +62,6 @@ def test_one_point_per_op_and_the_peak_agrees_with_the_meter():
     assert got["grad_restored"]
 
 
-
 class Branchy(nn.Module):
     """A forward fx cannot trace (control flow on a tensor's value)."""
 
@@ -85,3 +85,42 @@ def test_untraceable_module_falls_back_to_leaf_module_points():
     # Each leaf module's backward is read once, the last layer's before the first's.
     assert sorted(backward) == sorted(["loss", "last", "act", "first"])
     assert backward.index("last") < backward.index("act") < backward.index("first")
+
+
+def test_aligned_puts_a_steps_points_on_the_ops_of_another_timeline():
+    points = [TimelinePoint("forward", "a", 10, 12), TimelinePoint("forward", "glue", 11, 30),
+              TimelinePoint("forward", "b", 20, 21), TimelinePoint("backward", "b", 15, 25),
+              TimelinePoint("recompute", "a", 18, 18), TimelinePoint("backward", "a", 5, 19)]
+    ops = [("forward", "a"), ("forward", "b"), ("forward", "c"), ("backward", "c"),
+           ("backward", "b"), ("recompute", "a"), ("backward", "a")]
+    got = aligned(points, ops)
+    assert [(p.phase, p.op) for p in got] == ops
+    # b takes the peak of the op before it the other timeline lacks (glue); c, with no
+    # point of its own, reads as the op before it, its live bytes throughout.
+    assert [(p.live_bytes, p.peak_bytes) for p in got] == [
+        (10, 12), (20, 30), (20, 20), (20, 20), (15, 25), (18, 18), (5, 19)]
+
+
+def test_a_planned_step_is_measured_op_for_op_on_the_predicted_timeline():
+    """Planned.measure_timeline: one point per event of the predicted timeline, in its
+    order, forward, recomputation and backward, each the same op's reading; the
+    gradients and the module's state as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
+    x = torch.randn(2048, 128)
+    planner = Planner(model, PlanSettings("75%", profile_repeats=1), keep_example=True)
+    entry = planner.planned_for((x,), {})
+    assert entry.plan.count("recompute") > 0
+    grads = [p.grad for p in model.parameters()]
+    statistics = [b.clone() for b in model.buffers()]
+    points = entry.measure_timeline()
+    events = entry.predicted_timeline().events
+    assert [(p.phase, p.op) for p in points] == [(e.phase, e.node) for e in events]
+    assert {"forward", "recompute", "backward"} == {p.phase for p in points}
+    peak = max(e.peak_bytes for e in events)
+    beside = [abs(p.peak_bytes - e.peak_bytes) <= 0.1 * peak for p, e in zip(points, events)]
+    assert sum(beside) >= 0.9 * len(events), [(e.phase, e.node, p.peak_bytes, e.peak_bytes)
+                                              for p, e in zip(points, events)]
+    assert abs(max(p.peak_bytes for p in points) - peak) <= 0.1 * peak
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), statistics))

@@ -1,11 +1,22 @@
-"""Live bytes op by op through one real step, forward and backward (:func:`record_timeline`):
-the measured counterpart of ``solvers.simulate``'s predicted timeline."""
+"""Live bytes op by op through one real step, forward and backward: the measured
+counterpart of ``solvers.simulate``'s predicted timeline (docs/design.md section 6,
+"Timeline").
+
+:class:`StepRecorder` takes the readings. Whatever runs the forward calls
+:meth:`StepRecorder.after` after each op: a point, and the autograd nodes the op made
+become the op's own. :meth:`StepRecorder.step` runs the forward, the loss and the backward,
+with one point after each op's last autograd node has run, and an op run again in the
+backward (a recomputation) gets a ``recompute`` point. :func:`record_timeline` drives it
+for any module: a point per ``torch.fx`` node, or per leaf module where fx cannot trace it.
+:func:`aligned` puts a step's points on the ops of another timeline (a planned step's on
+the simulator's, op for op)."""
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,13 +26,15 @@ from lightning_remat.measure.allocations import AllocationLog
 from lightning_remat.measure.peak import step_meter
 from lightning_remat.measure.storage import StorageMeter
 
+__all__ = ["StepRecorder", "TimelinePoint", "aligned", "record_timeline", "tensors_in"]
+
 
 @dataclass
 class TimelinePoint:
     """Live bytes after one op of a recorded step, above what was resident before it."""
 
     phase: str
-    """``forward`` or ``backward``."""
+    """``forward``, ``recompute`` (the op run again in the backward) or ``backward``."""
     op: str
     """The fx node's name (the graph IR's vertex id), the leaf module's qualified name in
     the fallback, or ``loss``."""
@@ -95,6 +108,18 @@ class _Reader:
         self.reset_peak()
         return TimelinePoint(phase, op, live - self.base, max(peak, live) - self.base)
 
+    def extend(self, point: TimelinePoint) -> None:
+        """``point``, the latest, read again now: what ran since is part of its op."""
+        if isinstance(self.meter, AllocationLog):
+            mark = self.meter.mark()
+            for k, (point_, start, _) in enumerate(self._marked):
+                if point_ is point:
+                    self._marked[k] = (point, start, mark)
+            self._last_mark = mark
+            return
+        later = self.point(point.phase, point.op)
+        point.live_bytes, point.peak_bytes = later.live_bytes, max(point.peak_bytes, later.peak_bytes)
+
     def same(self, point: TimelinePoint, op: str) -> TimelinePoint:
         """Another op's point with ``point``'s reading (ops whose last nodes ran together)."""
         twin = TimelinePoint(point.phase, op, point.live_bytes, point.peak_bytes)
@@ -106,6 +131,8 @@ class _Reader:
 
 
 _STOP_NODES = ("AccumulateGrad",)
+_LOSS = "\0loss"
+"""The loss's autograd nodes where it is no op of its own (:meth:`StepRecorder.step`)."""
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -114,33 +141,167 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-class _BackwardAttribution:
-    """Which autograd nodes each forward op created: found by walking from the op's output
-    ``grad_fn`` towards its inputs' ``grad_fn`` (captured before the op ran, so in-place
-    ops are handled). Each op gets one backward point, read after its last node ran."""
+class StepRecorder:
+    """The points of one training step on ``device``, op by op (the module docstring).
 
-    def __init__(self) -> None:
-        self.owner: dict[Any, str] = {}
-        self.remaining: dict[str, int] = {}
-        self.order: list[str] = []
+    An op's autograd nodes are those reachable from its outputs that no earlier op made,
+    found when :meth:`after` is called for it in the forward; its backward point is read
+    when the last of them has run, once autograd has released that node's inputs and saved
+    tensors (read at the next node's start). The nodes are marked in their ``metadata`` and
+    hooked as they are found: the recorder holds no reference to them, so a node the step
+    drops (of a value no loss reads) frees what it saved as in training."""
 
-    def attribute(self, op: str, outputs: Any, stop: set[Any]) -> None:
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.points: list[TimelinePoint] = []
+        self._key = object()  # this recorder's mark in a node's metadata
+        self._remaining: dict[str, int] = {}
+        self._finished: list[str] = []  # ops whose last node has run, waiting for their reading
+        self._handles: list[Any] = []
+        self._reader: _Reader | None = None
+        self._backward = False
+        self._loss_into: TimelinePoint | None = None  # the forward's last point, the loss's too
+
+    # ---- the forward ----------------------------------------------------------------------
+    def after(self, op: str, outputs: Any = None) -> None:
+        """``op`` has run and returned ``outputs``: in the forward, its point and its
+        autograd nodes; in the backward (the op run again by a recomputation), a
+        ``recompute`` point. Nothing outside :meth:`step`."""
+        if self._reader is None:
+            return
+        if not self._backward:
+            self.attribute(op, outputs)
+        self.point(op)
+
+    def attribute(self, op: str, outputs: Any) -> None:
+        """The autograd nodes reachable from ``outputs`` that no op has yet are ``op``'s."""
+        if self._reader is None or self._backward:
+            return
         todo = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
         count = 0
         while todo:
             fn = todo.pop()
-            if fn is None or fn in stop or fn in self.owner or type(fn).__name__ in _STOP_NODES:
+            if fn is None or type(fn).__name__ in _STOP_NODES or self._key in fn.metadata:
                 continue
-            self.owner[fn] = op
+            fn.metadata[self._key] = op
+            self._handles.append(fn.register_prehook(self._node_starts))
+            self._handles.append(fn.register_hook(lambda grad_inputs, grad_outputs, op=op: self._node_ran(op)))
             count += 1
             todo.extend(nxt for nxt, _ in fn.next_functions)
         if count:
-            self.remaining[op] = self.remaining.get(op, 0) + count
-            self.order.append(op)
+            self._remaining[op] = self._remaining.get(op, 0) + count
+
+    def point(self, op: str) -> None:
+        """A point for ``op`` now: ``forward`` before the backward, ``recompute`` in it."""
+        if self._reader is None:
+            return
+        if self._backward:
+            self._flush()
+            self.points.append(self._reader.point("recompute", op))
+        else:
+            self.points.append(self._reader.point("forward", op))
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self, forward: Callable[[], Any], loss_fn: Callable[[Any], torch.Tensor], *,
+             outputs_held: bool = False, grad_holders: Iterable[torch.Tensor] = (),
+             loss_point: bool = False) -> list[TimelinePoint]:
+        """Run ``loss_fn(forward()).backward()`` and return its points. ``outputs_held``:
+        the outputs live until the backward has ended (the loop people write), else they
+        are dropped once the loss has read them. The step starts from no gradients on
+        ``grad_holders`` (their gradients are allocated in it, as on a first step), and
+        each holder's gradient is as before it afterwards. ``loss_point``: the loss is an
+        op of its own (``loss``), in the forward and in the backward."""
+        holders = list(grad_holders)
+        kept = [(t, t.grad) for t in holders]
+        for t in holders:
+            t.grad = None
+        self._reader = _Reader(self.device)
+        try:
+            with self._reader:
+                outputs = forward()
+                loss = loss_fn(outputs)
+                if not outputs_held:
+                    outputs = None
+                if loss_point:
+                    self.after("loss", loss)
+                elif self.points:
+                    # The loss, to the outputs' gradients, is part of the forward's last op,
+                    # as the simulator counts it (docs/design.md section 4.7).
+                    self._loss_into = self.points[-1]
+                    self._reader.extend(self._loss_into)
+                    self.attribute(_LOSS, loss)
+                self._backward = True
+                loss.backward()
+                del loss
+                self._flush()
+                outputs = None
+        finally:
+            self._reader = None
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for t, grad in kept:
+                t.grad = grad
+        return self.points
+
+    def _node_starts(self, grad_outputs: Any) -> None:
+        # The previous node's inputs and saved tensors are released by now.
+        self._flush()
+
+    def _node_ran(self, op: str) -> None:
+        self._remaining[op] -= 1
+        if self._remaining[op] == 0:
+            self._finished.append(op)
+
+    def _flush(self) -> None:
+        if self._reader is None:
+            return
+        if _LOSS in self._finished and self._loss_into is not None:
+            self._finished.remove(_LOSS)
+            self._reader.extend(self._loss_into)
+        if self._finished:
+            first = self._reader.point("backward", self._finished[0])
+            self.points.append(first)
+            self.points.extend(self._reader.same(first, op) for op in self._finished[1:])
+            self._finished.clear()
 
 
-def _input_grad_fns(args: Any) -> set[Any]:
-    return {t.grad_fn for t in tensors_in(args) if t.grad_fn is not None}
+def aligned(points: Sequence[TimelinePoint], ops: Iterable[tuple[str, str]]) -> list[TimelinePoint]:
+    """``points`` (a step's, in the order they were read) on the ops of another timeline
+    of the same step: one point per ``(phase, op)`` of ``ops``, in its order, the point of
+    that op in that phase (the first not taken yet). An op of ``ops`` without one (it made
+    no autograd node of its own, or a recomputation stopped before it) reads as the point
+    before it in ``ops``, its live bytes throughout. A point of an op ``ops`` lacks hands
+    its peak on to the next point read that ``ops`` has, so the highest reading stays."""
+    ops = list(ops)
+    wanted = Counter(ops)
+    found: defaultdict[tuple[str, str], list[TimelinePoint]] = defaultdict(list)
+    carried = 0
+    last: TimelinePoint | None = None
+    for point in points:
+        key = (point.phase, point.op)
+        if wanted[key] > 0:
+            wanted[key] -= 1
+            last = replace(point, peak_bytes=max(point.peak_bytes, carried))
+            found[key].append(last)
+            carried = 0
+        else:
+            carried = max(carried, point.peak_bytes)
+    if last is not None and carried > last.peak_bytes:
+        last.peak_bytes = carried
+    taken: Counter[tuple[str, str]] = Counter()
+    result = []
+    live = 0
+    for key in ops:
+        matches = found.get(key, [])
+        if taken[key] < len(matches):
+            point = matches[taken[key]]
+            taken[key] += 1
+        else:
+            point = TimelinePoint(key[0], key[1], live, live)
+        live = point.live_bytes
+        result.append(point)
+    return result
 
 
 def record_timeline(
@@ -155,11 +316,10 @@ def record_timeline(
     Forward points: one per ``torch.fx`` node of the module (its name is the graph IR's
     vertex id), read between nodes; when fx cannot trace the module, one per leaf module,
     read from forward hooks. Then a ``loss`` point. Backward points: one per forward op
-    whose autograd nodes ran, read from autograd node hooks after its last node (when the
-    engine has released that node's inputs and saved tensors), in the order they ran.
-    The parameters' gradients are set to None for the step (first-step behaviour: they
-    are allocated during the backward) and restored afterwards. ``loss_fn`` defaults to
-    the sum of the output's elements.
+    whose autograd nodes ran, read after its last node (:class:`StepRecorder`), in the
+    order they ran. The parameters' gradients are set to None for the step (first-step
+    behaviour: they are allocated during the backward) and restored afterwards.
+    ``loss_fn`` defaults to the sum of the output's elements.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -167,34 +327,14 @@ def record_timeline(
     if device is None:
         first = next(iter(module.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
-    loss_fn = loss_fn or (lambda out: sum(t.sum() for t in tensors_in(out)))
-
-    old_grads = {p: p.grad for p in module.parameters()}
-    for p in old_grads:
-        p.grad = None
-    points: list[TimelinePoint] = []
-    attribution = _BackwardAttribution()
-    reader = _Reader(device)
-    try:
-        with reader:
-            output = _forward_with_points(module, example_inputs, reader, points, attribution)
-            loss = loss_fn(output)
-            del output
-            attribution.attribute("loss", loss, set())
-            points.append(reader.point("forward", "loss"))
-            _backward_with_points(loss, reader, points, attribution)
-            del loss
-    finally:
-        for p, g in old_grads.items():
-            p.grad = g
-    return points
+    recorder = StepRecorder(device)
+    return recorder.step(
+        lambda: _forward_with_points(module, example_inputs, recorder),
+        loss_fn or (lambda out: sum(t.sum() for t in tensors_in(out))),
+        grad_holders=list(module.parameters()), loss_point=True)
 
 
-def _forward_with_points(
-    module: torch.nn.Module, inputs: tuple, reader: _Reader, points: list[TimelinePoint],
-    attribution: _BackwardAttribution,
-) -> Any:
+def _forward_with_points(module: torch.nn.Module, inputs: tuple, recorder: StepRecorder) -> Any:
     import torch.fx
 
     try:
@@ -211,17 +351,14 @@ def _forward_with_points(
                     return super().run_node(n)
                 # Reading here sees the previous node's dead inputs already dropped.
                 self.flush()
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                stop = _input_grad_fns((args, kwargs))
-                del args, kwargs
                 result = super().run_node(n)
-                attribution.attribute(n.name, result, stop)
+                recorder.attribute(n.name, result)
                 self.previous = n.name
                 return result
 
             def flush(self) -> None:
                 if self.previous is not None:
-                    points.append(reader.point("forward", self.previous))
+                    recorder.point(self.previous)
                     self.previous = None
 
         interpreter = PointInterpreter(traced)
@@ -230,58 +367,10 @@ def _forward_with_points(
         return output
 
     leaves = [(name, m) for name, m in module.named_modules() if not list(m.children())]
-    stops: dict[int, set[Any]] = {}
-    handles = []
-
-    def pre_hook(name: str, mod: torch.nn.Module, args: Any) -> None:
-        stops[id(mod)] = _input_grad_fns(args)
-
-    def post_hook(name: str, mod: torch.nn.Module, args: Any, out: Any) -> None:
-        attribution.attribute(name, out, stops.pop(id(mod), set()))
-        points.append(reader.point("forward", name))
-
-    for name, leaf in leaves:
-        handles.append(leaf.register_forward_pre_hook(
-            lambda mod, args, name=name: pre_hook(name, mod, args)))
-        handles.append(leaf.register_forward_hook(
-            lambda mod, args, out, name=name: post_hook(name, mod, args, out)))
+    handles = [leaf.register_forward_hook(lambda mod, args, out, name=name: recorder.after(name, out))
+               for name, leaf in leaves]
     try:
         return module(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _backward_with_points(
-    loss: torch.Tensor, reader: _Reader, points: list[TimelinePoint],
-    attribution: _BackwardAttribution,
-) -> None:
-    finished: list[str] = []  # ops whose last node has run, waiting for their reading
-    handles = []
-
-    def flush() -> None:
-        if finished:
-            first = reader.point("backward", finished[0])
-            points.append(first)
-            points.extend(reader.same(first, op) for op in finished[1:])
-            finished.clear()
-
-    def pre(fn: Any) -> None:
-        # The previous node's inputs and saved tensors are released by now.
-        flush()
-
-    def post(fn: Any) -> None:
-        op = attribution.owner[fn]
-        attribution.remaining[op] -= 1
-        if attribution.remaining[op] == 0:
-            finished.append(op)
-
-    for fn in attribution.owner:
-        handles.append(fn.register_prehook(lambda grads, fn=fn: pre(fn)))
-        handles.append(fn.register_hook(lambda gin, gout, fn=fn: post(fn)))
-    try:
-        loss.backward()
-        flush()
     finally:
         for h in handles:
             h.remove()

@@ -4,6 +4,7 @@ a plan made for one input gives (:class:`Planned`): the planner's vocabulary
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,11 +15,11 @@ from torch import nn
 from lightning_remat.budget import Budget
 from lightning_remat.cache import PlanBasis
 from lightning_remat.device import default_budget, module_device, move_to_device
-from lightning_remat.graph.effects import preserved_training_state
+from lightning_remat.graph.effects import preserved_state
 from lightning_remat.graph.ir import Graph
-from lightning_remat.graph.trace import Traced
+from lightning_remat.graph.trace import Traced, loop_loss
 from lightning_remat.inputs import InputKey
-from lightning_remat.measure.timeline import TimelinePoint, record_timeline
+from lightning_remat.measure.timeline import StepRecorder, TimelinePoint, aligned, tensors_in
 from lightning_remat.runtime.module import RematModule, Variant
 from lightning_remat.runtime.stepcheck import StepTimes
 from lightning_remat.solvers import SOLVERS, simulate
@@ -104,24 +105,46 @@ class Planned:
                           doc="Whether the plan came from the cache or a checkpoint.")
 
     def predicted_timeline(self) -> Timeline:
-        """Live bytes after every op of a step under this plan, as the simulator predicts."""
-        return simulate(self.graph, self.plan)
+        """Live bytes after every op of a step under this plan, as the simulator predicts
+        it for the executor that runs it: where the model's own forward runs with its
+        submodules checkpointed in place (the capture's fallback), a recomputed stage runs
+        again whole, as the plan was scored (docs/design.md section 5)."""
+        return simulate(self.graph, self.plan, whole_stages=self.variant.hooked is not None)
 
-    def measure_timeline(self) -> list[TimelinePoint]:
-        """Live bytes after every op of one real step of the planned module on the planned
-        call; parameters, gradients and buffers are restored afterwards."""
+    def measure_timeline(self, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> list[TimelinePoint]:
+        """One real step of the planned module on the planned call, read op by op, on the
+        predicted timeline's ops: one point per event of :meth:`predicted_timeline`, in its
+        order (:func:`~lightning_remat.measure.timeline.aligned`), each the highest and the
+        live bytes of that op in that phase, forward, recomputation or backward. The step
+        runs this plan, whatever the selector would pick, through the module's call (its
+        call context: a cache its calls turn off stays off), under the autocast it was
+        planned in, as the profile took it: ``loss_fn`` (the planner's; by default
+        :func:`~lightning_remat.graph.trace.loop_loss`, the outputs held to its end where
+        the profile held them), from no gradients unless the profile had them resident.
+        Buffers, gradients, modes and the RNG are as before it. Empty without a kept call."""
         if self.example is None:
             return []
-        args, kwargs = move_to_device(self.example, module_device(self.module))
-        selector = self.module._remat_select
-        # This very plan, whatever the selector would pick for a traced or hooked call.
-        self.module.set_variant_selector(None)
-        self.module.set_current(self.variant)
-        try:
-            with preserved_training_state(self.module):
-                return record_timeline(self.module, args if not kwargs else (*args, *kwargs.values()))
-        finally:
-            self.module.set_variant_selector(selector)
+        device = module_device(self.module)
+        args, kwargs = move_to_device(self.example, device)
+        meta = self.graph.meta
+        module = self.module
+        holders = [] if meta.grads_resident else [p for p in module.parameters() if p.requires_grad]
+        holders += [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        recorder = StepRecorder(device)
+        variant = self.variant.observed(set(self.graph.ids), recorder.after)
+        with module.running(variant), preserved_state(module, [device]), torch.enable_grad(), \
+                self._planned_autocast(device):
+            module.training = True  # not .train(): the children's own modes are kept
+            points = recorder.step(lambda: module(*args, **kwargs), loss_fn or loop_loss,
+                                   outputs_held=bool(meta.outputs_held), grad_holders=holders)
+        return aligned(points, [(e.phase, e.node) for e in self.predicted_timeline().events])
+
+    def _planned_autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The autocast the plan was made in (its basis), where it was on."""
+        state = self.basis.autocast if self.basis is not None else "off"
+        if state == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=getattr(torch, state.removeprefix("torch.")))
 
 Profiler = Callable[[nn.Module, tuple, dict, Traced], Graph]
 StepTimer = Callable[[Callable[[], None], Callable[[], None], torch.device], StepTimes]

@@ -28,6 +28,7 @@ simulator, so the predicted peak describes what runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,9 @@ from lightning_remat.solvers.plan import Plan, Stage
 __all__ = ["CheckpointedForward", "SubmoduleCheckpointing"]
 
 OffloadContext = Callable[[int, Stage], contextlib.AbstractContextManager]
+Observer = Callable[[str, Any], None]
+"""Called as ``observe(name, output)`` after a submodule of the plan has run (the measured
+timeline); ``output`` is None where a recomputation stopped inside it."""
 
 
 class CheckpointedForward:
@@ -55,6 +59,8 @@ class CheckpointedForward:
         self.stage_index = 0
         self.stage: Stage | None = None
         self.offload: OffloadContext | None = None
+        self.name = ""
+        self.observe: Observer | None = None
 
     def own_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:
@@ -69,18 +75,31 @@ class CheckpointedForward:
         kept = OncePerStep(lambda: list(module.buffers()), lambda: list(module.modules()), attributes=True)
         return kept.forward(), kept.recompute()
 
+    def _observed(self, observe: Observer, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`own_forward`, then ``observe``; also where a recomputation stops inside
+        it (torch's checkpoint stops one early by raising, once it has what it saves)."""
+        try:
+            output = self.own_forward(*args, **kwargs)
+        except BaseException:
+            observe(self.name, None)
+            raise
+        observe(self.name, output)
+        return output
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         action = self.action
+        # The observer of this call: a recomputation runs after the planned forward ended.
+        forward = self.own_forward if self.observe is None else functools.partial(self._observed, self.observe)
         if action == "recompute" and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(
-                self.own_forward, *args, use_reentrant=False, preserve_rng_state=True,
+                forward, *args, use_reentrant=False, preserve_rng_state=True,
                 context_fn=self._once_per_step, **kwargs,
             )
         if action == "offload" and torch.is_grad_enabled() and self.offload is not None:
             assert self.stage is not None
             with self.offload(self.stage_index, self.stage):
-                return self.own_forward(*args, **kwargs)
-        return self.own_forward(*args, **kwargs)
+                return forward(*args, **kwargs)
+        return forward(*args, **kwargs)
 
 
 def _install(module: nn.Module) -> CheckpointedForward:
@@ -96,11 +115,19 @@ class SubmoduleCheckpointing:
     """Runs ``root``'s own forward under ``plan``, whose vertices are ``root``'s submodules
     (qualified names)."""
 
-    def __init__(self, root: nn.Module, plan: Plan) -> None:
+    def __init__(self, root: nn.Module, plan: Plan, observe: Observer | None = None) -> None:
         self.root = root
         self.plan = plan
         stage_of = plan.stage_of()
         self.actions = {name: (plan.stages[k].action, k) for name, k in stage_of.items()}
+        self.observe = observe
+        """Called after each submodule of the plan has run, in the forward and in a
+        recomputation (:meth:`observed`)."""
+
+    def observed(self, observe: Observer) -> SubmoduleCheckpointing:
+        """The same plan on the same module, ``observe(name, output)`` called after each of
+        its submodules has run (the measured timeline, docs/design.md section 6)."""
+        return SubmoduleCheckpointing(self.root, self.plan, observe)
 
     @contextlib.contextmanager
     def _active(self, training: bool, offload: OffloadContext | None) -> Iterator[None]:
@@ -109,12 +136,14 @@ class SubmoduleCheckpointing:
             wrapper = _install(self.root.get_submodule(name))
             wrapper.action = action if training else None
             wrapper.stage_index, wrapper.stage, wrapper.offload = k, self.plan.stages[k], offload
+            wrapper.name, wrapper.observe = name, self.observe
             wrappers.append(wrapper)
         try:
             yield
         finally:
             for wrapper in wrappers:
                 wrapper.action = None
+                wrapper.observe = None
 
     def run(self, training: bool, args: tuple, kwargs: dict,
             offload: OffloadContext | None = None) -> Any:

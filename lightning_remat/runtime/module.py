@@ -24,9 +24,10 @@ contexts read the variant's programs and the module's state on every call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,7 @@ from lightning_remat.runtime.stages import (
     StageProgram,
     boundary_policy,
     compile_stages,
+    observed_stages,
     rebuild_output,
     with_output_containers,
 )
@@ -105,6 +107,15 @@ class Variant:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return list(bound.arguments.values())
+
+    def observed(self, ops: Collection[str], observe: Callable[[str, Any], None]) -> Variant:
+        """This variant with ``observe(op, value)`` called after each op of ``ops`` (vertex
+        ids) has run, in the forward and in a recomputation: the measured timeline's
+        readings (docs/design.md section 6). The variant itself is not changed."""
+        if self.hooked is not None:
+            return dataclasses.replace(self, hooked=self.hooked.observed(observe))
+        assert self.stages is not None
+        return dataclasses.replace(self, stages=observed_stages(self.stages, ops, observe))
 
 
 VariantSelector = Callable[[tuple, dict, bool], Variant]
@@ -214,6 +225,17 @@ class RematModule(nn.Module):
     def set_current(self, variant: Variant) -> None:
         """Run ``variant`` until a selector picks another."""
         self._remat_current = variant
+
+    @contextlib.contextmanager
+    def running(self, variant: Variant) -> Iterator[None]:
+        """The calls inside run ``variant``, whatever the selector would pick (a dashboard
+        replaying one plan); the selector and the current variant are as before after."""
+        selector, current = self._remat_select, self._remat_current
+        self._remat_select, self._remat_current = None, variant
+        try:
+            yield
+        finally:
+            self._remat_select, self._remat_current = selector, current
 
     # ---- the original's interface ---------------------------------------------------------
     # What this class does not have itself is the original module's: its attributes and

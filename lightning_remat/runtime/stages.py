@@ -36,8 +36,9 @@ are cut.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.schedule import Schedule
 
 __all__ = ["CompiledStages", "KeptRegion", "Ref", "RestoreNormStatistics", "StageProgram", "boundary_policy",
-           "compile_stages",
+           "compile_stages", "observed_stages",
            "rebuild_output", "with_output_containers"]
 
 # ---------------------------------------------------------------------------------------
@@ -174,6 +175,10 @@ _FUNCTIONAL_NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instanc
 _ATEN_NORMS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 
 
+_REGION = "_remat_region"
+"""The name of a recomputed stage's :class:`KeptRegion` argument in its code."""
+
+
 def _compile_stage(stage_graph: fx.Graph, index: int) -> tuple[str, Callable[..., tuple]]:
     code = stage_graph.python_code(root_module="self")
     namespace = dict(code.globals)
@@ -227,7 +232,7 @@ def _build_programs(
 
         kept = kept_nodes[k]
         # Placeholders first: fx wants them at the top of the graph.
-        region = stage_graph.placeholder("_remat_region") if kept else None
+        region = stage_graph.placeholder(_REGION) if kept else None
         for node in stage_nodes:
             for arg in node.all_input_nodes:
                 if arg.op != "get_attr" and value_stage(arg) != k:
@@ -462,3 +467,31 @@ def compile_stages(
                                        {final for _, final in written_inputs})
     placeholders = [(n.name, str(n.target)) for n in graph.nodes if n.op == "placeholder"]
     return CompiledStages(programs, output, placeholders, rewritten, written_inputs)
+
+
+def observed_stages(stages: CompiledStages, ops: Collection[str],
+                    observe: Callable[[str, Any], None]) -> CompiledStages:
+    """A copy of ``stages`` whose programs call ``observe(name, value)`` after each node
+    named in ``ops`` has run, with the value it computed, in the forward and in a
+    recomputation alike; the code is the stages' own otherwise. Each call comes after the
+    values the node read last are released and after its kept region ends, so a reading
+    taken in it is what the op leaves (the measured timeline, docs/design.md section 6)."""
+    programs = []
+    for program in stages.programs:
+        if program.stage_graph is None:
+            programs.append(program)
+            continue
+        graph = _copy_graph(program.stage_graph)
+        for node in list(graph.nodes):
+            if node.name not in ops or node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            anchor = node
+            following = node.next
+            if (following.op == "call_method" and following.target == "end"
+                    and following.args[:1] and getattr(following.args[0], "name", None) == _REGION):
+                anchor = following  # KeptRegion.end of a kept node
+            with graph.inserting_after(anchor):
+                graph.call_function(observe, (node.name, node))
+        source, fn = _compile_stage(graph, program.index)
+        programs.append(dataclasses.replace(program, source=source, fn=fn, stage_graph=graph))
+    return dataclasses.replace(stages, programs=programs)
