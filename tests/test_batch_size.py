@@ -495,6 +495,8 @@ def test_remat_search_uses_the_strategy_budget_and_fits_at_least_plain(tmp_path)
     plain, remat = report.plain, report.remat
     assert plain is not None and plain.largest_feasible and remat.largest_feasible
     assert remat.largest_feasible >= plain.largest_feasible
+    # Plain training's answer is remat's floor: not measured again by remat's search.
+    assert remat.floor == plain.largest_feasible and all(r.batch_size > remat.floor for r in remat.trials)
     for r in remat.trials:  # feasible means planned and measured within the budget
         assert r.feasible == (r.peak_bytes is not None and r.peak_bytes <= budget)
         if r.peak_bytes is not None:

@@ -242,7 +242,7 @@ def test_a_floor_is_never_measured_and_a_failed_prediction_is_predicted_again():
     result = run_search(threshold_trial(20, calls), init_val=8, max_val=64, hint=[30, 8], floor=8,
                         repredict=repredict)
     assert calls == [30, 20, 21] and result.largest_feasible == 20 and result.smallest_infeasible == 21
-    assert seen == [[30], [30, 20, 21]]  # after each infeasible trial
+    assert seen == [[30]]  # after the failed prediction, not after the neighbour beside the new one
     assert result.floor == 8 and result.trials_run == 3
     # Without them: the floor measured again, then doubled steps up from it and a bisection.
     calls.clear()
@@ -298,3 +298,26 @@ def test_the_prediction_counts_what_trials_measured_over_their_plans(tmp_path):
                max_steps=1, callbacks=[Probe()]).fit(model)
     assert 4 <= found["again"] < found["first"], found
     assert found["inside"] is None or found["inside"] < found["again"]
+
+
+def test_the_remat_search_predicts_again_with_the_excess_it_measured(monkeypatch):
+    """The finder's re-prediction: with the largest excess the trials measured over their
+    plans, from the bracket's fitting end (or the floor) to below its failing end; nothing
+    where the excess did not grow (the same prediction again) or the bracket is closed."""
+    from lightning_remat.tuning.search import TrialRecord
+
+    finder = RematBatchSizeFinder(memory_budget=2**30, init_val=4, max_val=256)
+    asked = []
+    monkeypatch.setattr(finder, "_predict", lambda trial, solver, settings, init_val, max_val=None, excess=0:
+                        asked.append((init_val, max_val, excess)) or 20)
+
+    def record(size, feasible, peak=None, predicted=None):
+        return TrialRecord(size, size, feasible, peak, 1.0, "", 0.0, "auto", predicted)
+
+    repredict = finder._repredict(object(), "auto", None, floor=8)
+    assert repredict([record(30, False, 1500, 1000)]) == 20 and asked == [(8, 29, 500)]
+    assert repredict([record(30, False, 1500, 1000), record(20, False, 1400, 1000)]) is None  # no news
+    assert repredict([record(30, False, 1500, 1000), record(20, True, 1900, 1000),
+                      record(22, False, None, None)]) == 20 and asked[-1] == (20, 21, 900)
+    assert repredict([record(9, False, 5000, 1000)]) is None  # the floor and 9: closed
+    assert len(asked) == 2

@@ -303,7 +303,7 @@ class RematBatchSizeFinder(Callback):
 
     def _repredict(self, trial: TrialFn, solver: str, settings: SearchSettings,
                    floor: int) -> Callable[[list[TrialRecord]], int | None]:
-        """What the remat search predicts after a trial measured infeasible: where the
+        """What the remat search predicts after a prediction measured infeasible: where the
         trials measured above their plans' predicted peaks (a model error the profiles do
         not show: the first prediction did not count it), the prediction again with that
         excess as margin, inside the bracket; None where the excess is no larger than at the

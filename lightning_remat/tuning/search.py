@@ -350,9 +350,11 @@ def run_search(
     enqueued as a trial (:func:`next_batch_size` says what follows them), and one the
     trials before it have already decided is pruned, not measured. ``floor``: a size known
     to fit without a trial (:func:`bracket`; nothing at or below it is measured).
-    ``repredict``: called with the finished trials after each one measured infeasible; a
-    size it returns is the next prediction (a failed prediction says what the prediction
+    ``repredict``: called with the finished trials after a prediction measured infeasible;
+    a size it returns is the next prediction (a failed prediction says what the prediction
     left out: the caller predicts again with it), None: the search goes on without one.
+    After the other trials' failures the bracket's own steps are as short as a new
+    prediction would make them, and predicting costs solves.
 
     A URL gets a storage with Optuna's heartbeat: a trial a killed search left running is
     failed once its heartbeat is older than the grace period (this search waits that long
@@ -418,7 +420,7 @@ def run_search(
                     bar.update(trials_run - measured)
                 if repredict is not None and trials_run > measured:
                     records = finished_records(study)
-                    if records and not records[-1].feasible:
+                    if records and not records[-1].feasible and records[-1].batch_size in predictions(study):
                         guess = repredict(records)
                         if guess is not None:
                             predict(guess)
