@@ -495,6 +495,8 @@ def test_remat_search_uses_the_strategy_budget_and_fits_at_least_plain(tmp_path)
     plain, remat = report.plain, report.remat
     assert plain is not None and plain.largest_feasible and remat.largest_feasible
     assert remat.largest_feasible >= plain.largest_feasible
+    # Plain training's answer is remat's floor: not measured again by remat's search.
+    assert remat.floor == plain.largest_feasible and all(r.batch_size > remat.floor for r in remat.trials)
     for r in remat.trials:  # feasible means planned and measured within the budget
         assert r.feasible == (r.peak_bytes is not None and r.peak_bytes <= budget)
         if r.peak_bytes is not None:
@@ -700,3 +702,60 @@ def test_a_trial_measured_over_its_budget_is_planned_again_and_measured_again(tm
     result = captured["result"]
     assert len(readings) == 2  # the first plan's step, then the new plan's
     assert result.feasible and result.peak_bytes == readings[-1] <= captured["budget"]
+
+
+class DecoderWithItsCache(pl.LightningModule):
+    """A Hugging Face decoder as its config ships it (``use_cache=True``), on token batches."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+        self.model = transformers.GPT2LMHeadModel(config)
+        self.batch_size = batch_size
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        ids = torch.randint(0, 64, (64, 32), generator=torch.Generator().manual_seed(1))
+        return DataLoader(TensorDataset(ids), batch_size=self.batch_size)
+
+
+@pytest.mark.slow
+def test_the_shape_family_of_a_decoder_with_its_cache_on_is_captured_op_by_op(tmp_path):
+    """The search's shape family is captured as the planner captures a call: with the
+    decoder's default cache off. With it on, torch.export failed on the DynamicCache, the
+    family fell back to the submodules, every remat trial reused that coarse capture and
+    remat's answer was no larger than plain training's (GPT-2 at a budget where plain fits
+    batch 8: 8 against 21 op by op, benchmarks/batch_search.py)."""
+    from lightning_remat import RematStrategy
+    from lightning_remat.graph.trace import EXPORT
+
+    model = DecoderWithItsCache()
+    captured = {}
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trial = LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                   solver="auto", settings=_search_settings(trainer, 2**30))
+            family = trial.profile_family([2, 4])
+            captured["kind"], captured["family"] = trial.family_traced.kind, len(family)
+            captured["vertices"] = len(family[0])
+            captured["result"] = trial(6)
+            captured["use_cache"] = pl_module.model.config.use_cache
+            raise pl.utilities.exceptions._TunerExitException()
+
+    strategy = RematStrategy(memory_budget=2**30, offload=False, cache_dir=tmp_path / "c")
+    with pytest.warns(UserWarning, match="cache of past keys and values"):
+        small_trainer(tmp_path, max_steps=1, callbacks=[Probe()], strategy=strategy).fit(model)
+    assert captured["kind"] == EXPORT and captured["family"] == 2
+    assert captured["vertices"] > 50  # op by op, not the fallback's few submodules
+    assert captured["result"].feasible
+    assert captured["use_cache"] is True  # the user's config as it was

@@ -224,3 +224,100 @@ def test_trials_measure_what_was_predicted_with_the_models_own_loss(tmp_path):
         assert abs(trial.peak_bytes - trial.predicted_peak_bytes) <= 0.03 * trial.peak_bytes, seen
     assert search.largest_feasible and search.smallest_infeasible == search.largest_feasible + 1, seen
     assert len(search.trials) <= 4, seen
+
+
+def test_a_floor_is_never_measured_and_a_failed_prediction_is_predicted_again():
+    """Remat's search at the budget plain training's search ran at: plain training's answer
+    (8) fits with a plan too, so it is the bracket's floor, never measured (before, the
+    fallback prediction measured it again and the search galloped up from it: eight trials
+    on the zoo's MobileNetV3, benchmarks/batch_search.py). A prediction that fails is
+    predicted again from the trials so far, and the bracket closes around the new one."""
+    calls: list[int] = []
+    seen: list[list[int]] = []
+
+    def repredict(records):
+        seen.append([r.batch_size for r in records])
+        return 20
+
+    result = run_search(threshold_trial(20, calls), init_val=8, max_val=64, hint=[30, 8], floor=8,
+                        repredict=repredict)
+    assert calls == [30, 20, 21] and result.largest_feasible == 20 and result.smallest_infeasible == 21
+    assert seen == [[30]]  # after the failed prediction, not after the neighbour beside the new one
+    assert result.floor == 8 and result.trials_run == 3
+    # Without them: the floor measured again, then doubled steps up from it and a bisection.
+    calls.clear()
+    run_search(threshold_trial(20, calls), init_val=8, max_val=64, hint=[30, 8])
+    assert calls[:2] == [30, 8] and len(calls) > 4, calls
+    # Nothing above the floor fits: the floor is the answer, none of its sizes measured.
+    calls.clear()
+    result = run_search(threshold_trial(8, calls), init_val=8, max_val=64, hint=[30, 8], floor=8)
+    assert result.largest_feasible == 8 and min(calls) > 8
+    # A trial at or below the floor that failed (a study of an earlier search) is trusted.
+    assert next_batch_size([(6, False)], 2, 64, floor=8) == 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(threshold=st.integers(0, 300), floor=st.integers(0, 300), hint=st.integers(1, 400),
+       again=st.one_of(st.none(), st.integers(1, 400)))
+def test_neither_a_floor_nor_a_new_prediction_changes_the_answer(threshold, floor, hint, again):
+    """Whatever the predictions, a floor that does fit leaves the exact answer, and no size
+    is measured twice or at or below the floor."""
+    floor = min(floor, threshold)
+    calls: list[int] = []
+    result = run_search(threshold_trial(threshold, calls), init_val=max(floor, 1), max_val=400,
+                        max_trials=200, hint=hint, floor=floor, repredict=lambda records: again)
+    assert result.largest_feasible == (brute_force(lambda b: b <= threshold, 400) or None)
+    assert len(calls) == len(set(calls)) and all(c > floor for c in calls)
+
+
+@pytest.mark.slow
+def test_the_prediction_counts_what_trials_measured_over_their_plans(tmp_path):
+    """The remat prediction again, with what a trial measured above its plan's predicted
+    peak as margin: a smaller size than without it, inside the bracket it is given."""
+    from lightning_remat.lightning.trial import LightningTrial
+    from tests.test_batch_size import _search_settings
+
+    model = SizedConvNet(batch_size=4, channels=16, image=32, samples=256)
+    found = {}
+
+    class Probe(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            finder = RematBatchSizeFinder(memory_budget=16 * 2**20, init_val=4, max_val=256)
+            settings = _search_settings(trainer, 16 * 2**20)
+            trial = LightningTrial(trainer, pl_module, batch_arg_name="batch_size", steps_per_trial=1,
+                                   solver="auto", settings=settings)
+            trial.profile_family(finder.family_sizes())
+            found["first"] = finder._predict(trial, "auto", settings, 4)
+            found["again"] = finder._predict(trial, "auto", settings, 4, excess=2 * 2**20)
+            found["inside"] = finder._predict(trial, "auto", settings, 4, max_val=found["again"] - 1,
+                                              excess=2 * 2**20)
+            raise pl.utilities.exceptions._TunerExitException()
+
+    pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False,
+               enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+               max_steps=1, callbacks=[Probe()]).fit(model)
+    assert 4 <= found["again"] < found["first"], found
+    assert found["inside"] is None or found["inside"] < found["again"]
+
+
+def test_the_remat_search_predicts_again_with_the_excess_it_measured(monkeypatch):
+    """The finder's re-prediction: with the largest excess the trials measured over their
+    plans, from the bracket's fitting end (or the floor) to below its failing end; nothing
+    where the excess did not grow (the same prediction again) or the bracket is closed."""
+    from lightning_remat.tuning.search import TrialRecord
+
+    finder = RematBatchSizeFinder(memory_budget=2**30, init_val=4, max_val=256)
+    asked = []
+    monkeypatch.setattr(finder, "_predict", lambda trial, solver, settings, init_val, max_val=None, excess=0:
+                        asked.append((init_val, max_val, excess)) or 20)
+
+    def record(size, feasible, peak=None, predicted=None):
+        return TrialRecord(size, size, feasible, peak, 1.0, "", 0.0, "auto", predicted)
+
+    repredict = finder._repredict(object(), "auto", None, floor=8)
+    assert repredict([record(30, False, 1500, 1000)]) == 20 and asked == [(8, 29, 500)]
+    assert repredict([record(30, False, 1500, 1000), record(20, False, 1400, 1000)]) is None  # no news
+    assert repredict([record(30, False, 1500, 1000), record(20, True, 1900, 1000),
+                      record(22, False, None, None)]) == 20 and asked[-1] == (20, 21, 900)
+    assert repredict([record(9, False, 5000, 1000)]) is None  # the floor and 9: closed
+    assert len(asked) == 2

@@ -399,3 +399,41 @@ def test_every_accepted_plan_is_held_to_its_own_budget_at_the_edge() -> None:
     assert got["checked"] == 3
     assert [(m, b) for m, _, _, b in got["over"]] == [("m", 52 * mib)]
     assert "2 of the 3" in render.edge_sentence([record])
+
+
+@pytest.mark.slow
+def test_the_batch_search_benchmark_measures_a_tiny_model(tmp_path: Path) -> None:
+    """benchmarks/batch_search.py's worker, in-process on a tiny BERT: the budget is plain
+    training's measured peak at B, so plain training's search finds B; remat's answer is at
+    least that, its steps are measured within the budget, and the row renders."""
+    pytest.importorskip("transformers")
+    from benchmarks import batch_search
+
+    row = batch_search.measure("bert", batch=2, init_val=2, max_val=8, steps_per_trial=1, steps=2,
+                               root=tmp_path)
+    assert "search_error" not in row, row["search_error"]
+    assert row["budget_bytes"] == max(row["plain_peaks"]) > 0
+    plain, remat = row["searches"]["plain"], row["searches"]["remat"]
+    assert plain["largest_feasible"] == 2 and plain["trials_run"] >= 1
+    assert remat["largest_feasible"] >= 2 and remat["trials_run"] >= 1
+    assert row["check"]["batch"] == remat["largest_feasible"] and row["check"]["within_budget"]
+    assert 0 < row["least"]["fraction"] < 1 and row["least"]["capture"].startswith("torch.export")
+    record = {"rows": {"bert": row}}
+    (line,) = [x for x in batch_search.table(record) if x.startswith("| bert |")]
+    assert batch_search.verdict(row) in line
+
+
+def test_the_batch_search_verdict_names_what_misses() -> None:
+    from benchmarks import batch_search
+
+    def row(remat: int, trials: int, fraction: float, within: bool = True) -> dict:
+        return {"batch": 8, "least": {"fraction": fraction}, "check": {"peaks": [1], "within_budget": within},
+                "searches": {"plain": {"largest_feasible": 8, "trials_run": 2},
+                             "remat": {"largest_feasible": remat, "trials_run": trials}}}
+
+    assert batch_search.verdict(row(17, 4, 0.5)) == "holds"
+    assert batch_search.verdict(row(8, 3, 0.5)) == "misses: remat's answer 8 not above B"
+    assert batch_search.verdict(row(17, 5, 0.5)) == "misses: 5 trials"
+    assert batch_search.verdict(row(17, 4, 0.5, within=False)) == "misses: its steps go over the budget"
+    assert batch_search.verdict(row(8, 4, 0.8)).startswith("n/a")
+    assert batch_search.verdict({"search_error": "x"}) == "misses: the search crashed"

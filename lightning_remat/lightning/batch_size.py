@@ -75,7 +75,9 @@ from lightning_remat.tuning.ranks import run_search_across_ranks
 from lightning_remat.tuning.search import (
     SearchResult,
     TrialFn,
+    TrialRecord,
     TrialResult,
+    bracket,
     check_search_args,
     run_search,
 )
@@ -233,7 +235,8 @@ class RematBatchSizeFinder(Callback):
 
     def _search(self, trainer: pl.Trainer, pl_module: pl.LightningModule, trial_fn: TrialFn,
                 solver: str, label: str, settings: SearchSettings, init_val: int, sample_shape: str,
-                hint: int | list[int] | None = None) -> SearchResult:
+                hint: int | list[int] | None = None, floor: int = 0,
+                repredict: Callable[[list[TrialRecord]], int | None] | None = None) -> SearchResult:
         storage = self.storage or default_storage(trainer.default_root_dir)
         budget = None if settings.budget_from_device else settings.budget_bytes
         name = study_name_for(pl_module, settings.device, budget, solver, sample_shape,
@@ -243,7 +246,7 @@ class RematBatchSizeFinder(Callback):
         search_args = dict(
             init_val=init_val, max_val=self.max_val, granularity=self.granularity,
             max_trials=self.max_trials, storage=storage, study_name=name, label=label,
-            solver=solver, progress_bar=self.progress_bar, hint=hint,
+            solver=solver, progress_bar=self.progress_bar, hint=hint, floor=floor, repredict=repredict,
         )
         if world_size() > 1:
             # Its own gloo group for the verdicts, and each trial's collectives bounded in time.
@@ -254,37 +257,73 @@ class RematBatchSizeFinder(Callback):
             return run_search_across_ranks(bounded, DistributedRanks(own_group=True), **search_args)
         return run_search(trial_fn, **search_args)
 
-    def _predict(self, trial: TrialFn, solver: str, settings: SearchSettings, init_val: int) -> int | None:
-        """The largest size predicted to fit, from the graphs the shape family gives each
-        size (None without a family): plain training by the plain peak fitted to the
-        profiles, a solver by where its smallest budget on the derived graphs crosses the
-        budget (:func:`~lightning_remat.tuning.predict.predict_largest_by_projection`)."""
+    def _predict(self, trial: TrialFn, solver: str, settings: SearchSettings, init_val: int,
+                 max_val: int | None = None, excess: int = 0) -> int | None:
+        """The largest size up to ``max_val`` (default: the finder's) predicted to fit, from
+        the graphs the shape family gives each size (None without a family): plain training
+        by the plain peak fitted to the profiles, a solver by where its smallest budget on
+        the derived graphs crosses the budget
+        (:func:`~lightning_remat.tuning.predict.predict_largest_by_projection`). ``excess``:
+        what trials measured above their plans' predicted peaks, added to the model's margin
+        of every derived graph (``meta.measured_excess_bytes``, as the planner raises it
+        after a step measured over its prediction)."""
         if not isinstance(trial, LightningTrial) or not trial.family:
             return None
         budget = settings.budget_bytes
         options = solver_options(solver, settings.device, settings.plan.offload)
+        max_val = self.max_val if max_val is None else max_val
+
+        def derived(size: int) -> Graph:
+            graph = trial.derived(size)
+            if excess > 0:
+                graph.meta.measured_excess_bytes = excess
+            return graph
 
         if solver == PLAIN:
             def plain_fits(size: int) -> bool:
                 graph = trial.derived(size)
                 return (graph.meta.plain_peak_bytes or simulate(graph).peak_bytes) <= budget
 
-            return predict_largest(plain_fits, init_val, self.max_val, self.granularity)
+            return predict_largest(plain_fits, init_val, max_val, self.granularity)
         # A solver's smallest budget, and the plan that has it run at larger sizes, give the
         # crossing in a few solves, where a search on fits-or-not solves at every size it
         # doubles to.
         def least_at(size: int) -> tuple[int, Callable[[int], int]]:
-            graph = trial.derived(size)
+            graph = derived(size)
             least = min_budget(graph, solver, **options)
             plan = solve(graph, least, solver, **options)
 
             def peak(other: int) -> int:
-                derived = trial.derived(other)
-                return simulate(derived, plan).peak_bytes + model_margin(derived)
+                graph = derived(other)
+                return simulate(graph, plan).peak_bytes + model_margin(graph)
 
             return least, peak
 
-        return predict_largest_by_projection(least_at, budget, init_val, self.max_val, self.granularity)
+        return predict_largest_by_projection(least_at, budget, init_val, max_val, self.granularity)
+
+    def _repredict(self, trial: TrialFn, solver: str, settings: SearchSettings,
+                   floor: int) -> Callable[[list[TrialRecord]], int | None]:
+        """What the remat search predicts after a prediction measured infeasible: where the
+        trials measured above their plans' predicted peaks (a model error the profiles do
+        not show: the first prediction did not count it), the prediction again with that
+        excess as margin, inside the bracket; None where the excess is no larger than at the
+        last prediction (the same prediction) or the bracket is closed."""
+        learned = [0]
+
+        def repredict(records: list[TrialRecord]) -> int | None:
+            excess = max((r.peak_bytes - r.predicted_peak_bytes for r in records
+                          if r.peak_bytes is not None and r.predicted_peak_bytes is not None), default=0)
+            if excess <= learned[0]:
+                return None
+            learned[0] = excess
+            br = bracket([(r.batch_size, r.feasible) for r in records], floor)
+            lo, hi = br.largest_feasible, br.smallest_infeasible
+            if hi is None or hi - lo <= self.granularity:
+                return None
+            start = lo or min(self.init_val, hi - 1)
+            return self._predict(trial, solver, settings, start, max_val=hi - 1, excess=excess)
+
+        return repredict
 
     def family_sizes(self) -> list[int]:
         """The batch sizes the shape family is profiled at: ``init_val`` and half of it (2
@@ -353,8 +392,11 @@ class RematBatchSizeFinder(Callback):
             label = "remat" if solver != PLAIN else PLAIN
             say(f"batch-size search ({label}): predicted largest {predicted}"
                 + (f" (plain training: {fallback})" if fallback else "") + "; measuring around it")
+            # Every size plain training fits at this budget fits with a plan too: not measured again.
+            floor = plain.largest_feasible if plain is not None and plain.largest_feasible else 0
+            repredict = self._repredict(remat_trial, solver, settings, floor) if solver != PLAIN else None
             remat = self._search(trainer, pl_module, remat_trial, solver, label, settings, init_val,
-                                 sample_shape, hints)
+                                 sample_shape, hints, floor=floor, repredict=repredict)
             seconds = time.perf_counter() - started
             trials = remat.trials_run + (plain.trials_run if plain is not None else 0)
             step = family[-1].meta.step_seconds if family else None

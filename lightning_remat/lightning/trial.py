@@ -52,6 +52,7 @@ from lightning_remat.device import (
     move_to_device,
     training_budget,
 )
+from lightning_remat.graph.calls import cache_configs, caches_off
 from lightning_remat.graph.effects import preserved_state, preserved_training_state
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.profile import profile_module
@@ -339,12 +340,16 @@ class LightningTrial:
             for size in sizes:
                 batch = self.batch(size)
                 args, kwargs = self._capture_call(batch)
-                with preserved_state(self.target, [self.device]):
-                    traced = trace_module(self.target, args, kwargs)
-                graph = profile_module(
-                    self.target, args, example_kwargs=kwargs or None, traced=traced,
-                    repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile,
-                    loss_fn=self.loss_fn(batch))
+                # Captured and profiled as the planner does a call (``Planner._calls``): with
+                # a decoder's default cache off, which torch.export cannot capture (with it on
+                # the capture fell back to the submodules, and every trial reused that one).
+                with caches_off(cache_configs(self.target)):
+                    with preserved_state(self.target, [self.device]):
+                        traced = trace_module(self.target, args, kwargs)
+                    graph = profile_module(
+                        self.target, args, example_kwargs=kwargs or None, traced=traced,
+                        repeats=self.settings.plan.profile_repeats, safe=self.settings.plan.safe_profile,
+                        loss_fn=self.loss_fn(batch))
                 # Scaled in the search's own unit: the batch size it sets, whatever the
                 # first dimension of the target's input is.
                 graph.meta.batch_size = size

@@ -144,19 +144,25 @@ class Bracket:
     monotone: bool = True
 
 
-def bracket(records: Sequence[tuple[int, bool]]) -> Bracket:
-    """The bracket of ``(batch_size, feasible)`` pairs."""
+def bracket(records: Sequence[tuple[int, bool]], floor: int = 0) -> Bracket:
+    """The bracket of ``(batch_size, feasible)`` pairs. ``floor``: a size known to fit
+    without a trial of this search (remat's search: plain training's largest, measured by
+    its own search at the same budget), the bracket's lower end unless a trial at or below
+    it failed (a measurement is trusted over what was inferred)."""
     infeasible = [b for b, ok in records if not ok]
     hi = min(infeasible) if infeasible else None
     feasible = [b for b, ok in records if ok]
     below = [b for b in feasible if hi is None or b < hi]
     monotone = len(below) == len(feasible)
-    return Bracket(max(below, default=0), hi, monotone)
+    lo = max(below, default=0)
+    if floor > lo and (hi is None or floor < hi):
+        lo = floor
+    return Bracket(lo, hi, monotone)
 
 
 def next_batch_size(
     records: Sequence[tuple[int, bool]], init_val: int, max_val: int, granularity: int = 1,
-    hint: int | Sequence[int] | None = None,
+    hint: int | Sequence[int] | None = None, floor: int = 0,
 ) -> int | None:
     """The next size to try, or None when the answer is known.
 
@@ -173,8 +179,11 @@ def next_batch_size(
     These are the steps of Lightning's ``BatchSizeFinder(mode="binsearch")`` (double until
     the first OOM, then bisect), so on the same feasibility it tries the same sizes, but
     read from the stored trials rather than from loop variables.
+
+    ``floor``: a size known to fit without a trial (:func:`bracket`): nothing at or below
+    it is tried.
     """
-    br = bracket(records)
+    br = bracket(records, floor)
     lo, hi = br.largest_feasible, br.smallest_infeasible
     if hi is not None and hi - lo <= granularity:
         return None
@@ -229,11 +238,12 @@ class BisectionSampler(BaseSampler):
     """
 
     def __init__(self, init_val: int = 2, max_val: int = 8192, granularity: int = 1,
-                 fallback: BaseSampler | None = None) -> None:
+                 fallback: BaseSampler | None = None, floor: int = 0) -> None:
         check_search_args(init_val, max_val, granularity)
         self.init_val = init_val
         self.max_val = max_val
         self.granularity = granularity
+        self.floor = floor
         self._fallback = fallback or optuna.samplers.RandomSampler()
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
@@ -246,7 +256,8 @@ class BisectionSampler(BaseSampler):
     def proposal(self, study: Study) -> int | None:
         """The size the next trial will get (None: the search is finished)."""
         pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
-        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, predictions(study))
+        return next_batch_size(pairs, self.init_val, self.max_val, self.granularity, predictions(study),
+                               self.floor)
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
@@ -255,7 +266,8 @@ class BisectionSampler(BaseSampler):
         proposed = self.proposal(study)
         if proposed is None:
             # Asked past the end: re-check the boundary (the answer) rather than fail.
-            proposed = max(1, bracket([(r.batch_size, r.feasible) for r in finished_records(study)]).largest_feasible)
+            pairs = [(r.batch_size, r.feasible) for r in finished_records(study)]
+            proposed = max(1, bracket(pairs, self.floor).largest_feasible)
         assert isinstance(param_distribution, IntDistribution)
         return int(min(max(proposed, param_distribution.low), param_distribution.high))
 
@@ -286,6 +298,8 @@ class SearchResult:
     """False when ``max_trials`` stopped the search before the bracket closed."""
     pareto: list[TrialRecord] = field(default_factory=list)
     """Feasible trials no other feasible trial beats in both batch size and samples/s."""
+    floor: int = 0
+    """The size known to fit without a trial of this search (:func:`bracket`); 0: none."""
 
     def trial_at(self, batch_size: int | None) -> TrialRecord | None:
         for record in self.trials:
@@ -324,6 +338,8 @@ def run_search(
     solver: str = "",
     progress_bar: bool = False,
     hint: int | Sequence[int] | None = None,
+    floor: int = 0,
+    repredict: Callable[[list[TrialRecord]], int | None] | None = None,
 ) -> SearchResult:
     """Find the largest batch size ``trial_fn`` calls feasible (exact within ``granularity``).
 
@@ -332,7 +348,13 @@ def run_search(
     the storage is continued. ``max_trials`` bounds the trials of this call. ``hint``: the
     size predicted to be the largest that fits, or several, most hopeful first; each is
     enqueued as a trial (:func:`next_batch_size` says what follows them), and one the
-    trials before it have already decided is pruned, not measured.
+    trials before it have already decided is pruned, not measured. ``floor``: a size known
+    to fit without a trial (:func:`bracket`; nothing at or below it is measured).
+    ``repredict``: called with the finished trials after a prediction measured infeasible;
+    a size it returns is the next prediction (a failed prediction says what the prediction
+    left out: the caller predicts again with it), None: the search goes on without one.
+    After the other trials' failures the bracket's own steps are as short as a new
+    prediction would make them, and predicting costs solves.
 
     A URL gets a storage with Optuna's heartbeat: a trial a killed search left running is
     failed once its heartbeat is older than the grace period (this search waits that long
@@ -343,21 +365,25 @@ def run_search(
     if not isinstance(max_trials, int) or max_trials < 1:
         raise ValueError(f"max_trials={max_trials!r} must be an int >= 1")
     with optuna_logs_quiet():  # its INFO lines: a study created, a trial finished or pruned
-        sampler = BisectionSampler(init_val, max_val, granularity)
+        sampler = BisectionSampler(init_val, max_val, granularity, floor=floor)
         stale = StaleTrials(label)
         study = load_study(storage, study_name, sampler, stale)
         if isinstance(storage, str):  # the storage with a heartbeat
             stale.fail(study)
         guesses = [] if hint is None else [hint] if isinstance(hint, int) else list(hint)
-        for guess in guesses:
+
+        def predict(guess: int) -> None:
             size = min(max(int(guess), 1), max_val)
             study.enqueue_trial({PARAM: size}, user_attrs={PREDICTED: size}, skip_if_exists=True)
+
+        for guess in guesses:
+            predict(guess)
         trials_run = 0
 
         def objective(trial: optuna.Trial) -> tuple[float, float]:
             nonlocal trials_run
             batch_size = trial.suggest_int(PARAM, 1, max_val)
-            if decided(study, batch_size):  # an enqueued prediction the trials before it decided
+            if decided(study, batch_size, floor):  # an enqueued prediction the trials before it decided
                 raise optuna.TrialPruned(f"batch size {batch_size}: the finished trials decide it")
             trials_run += 1
             result = run_trial_safely(trial_fn, batch_size)
@@ -392,12 +418,18 @@ def run_search(
                     study.optimize(objective, n_trials=1, catch=())
                 if bar is not None:
                     bar.update(trials_run - measured)
+                if repredict is not None and trials_run > measured:
+                    records = finished_records(study)
+                    if records and not records[-1].feasible and records[-1].batch_size in predictions(study):
+                        guess = repredict(records)
+                        if guess is not None:
+                            predict(guess)
         finally:
             if bar is not None:
                 bar.close()
         stale.warn(study)  # trials another search left running meanwhile (Optuna retried them)
     records = finished_records(study)
-    br = bracket([(r.batch_size, r.feasible) for r in records])
+    br = bracket([(r.batch_size, r.feasible) for r in records], floor)
     if not br.monotone:
         warn_caller(
             f"lightning-remat batch-size search ({label}): a size above the smallest infeasible "
@@ -411,14 +443,15 @@ def run_search(
         storage=storage if isinstance(storage, str) or storage is None else type(storage).__name__,
         monotone=br.monotone,
         finished=sampler.proposal(study) is None,
-        pareto=pareto_front(study, records),
+        pareto=pareto_front(study, records), floor=floor,
     )
 
 
-def decided(study: Study, size: int) -> bool:
-    """Whether the finished trials decide ``size``: measured, or outside the bracket."""
+def decided(study: Study, size: int, floor: int = 0) -> bool:
+    """Whether the finished trials (and ``floor``, :func:`bracket`) decide ``size``:
+    measured, or outside the bracket."""
     records = finished_records(study)
-    br = bracket([(r.batch_size, r.feasible) for r in records])
+    br = bracket([(r.batch_size, r.feasible) for r in records], floor)
     return (size <= br.largest_feasible or any(r.batch_size == size for r in records)
             or (br.smallest_infeasible is not None and size >= br.smallest_infeasible))
 
