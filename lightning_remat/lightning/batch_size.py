@@ -240,7 +240,8 @@ class RematBatchSizeFinder(Callback):
         storage = self.storage or default_storage(trainer.default_root_dir)
         budget = None if settings.budget_from_device else settings.budget_bytes
         name = study_name_for(pl_module, settings.device, budget, solver, sample_shape,
-                              precision=str(trainer.precision), ranks=trainer.world_size)
+                              precision=str(trainer.precision), ranks=trainer.world_size,
+                              offload=settings.plan.offload)
         if self.study_name:
             name = f"{self.study_name}|{name}"
         search_args = dict(

@@ -156,23 +156,29 @@ def default_storage(root_dir: str | Path) -> str:
 
 
 def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | None, solver: str,
-                   sample_shape: str = "", precision: str = "", ranks: int = 1) -> str:
-    """``<ModelClass>#<fingerprint>|<device>|<budget bytes>|<solver>[|<precision>][|<ranks>
-    ranks][|<per-sample input shapes>]``: one study per setting, so a resumed search only
-    reuses trials that measured the same thing (a changed model, its attention
-    implementation say, starts a study of its own; :func:`module_fingerprint`).
+                   sample_shape: str = "", precision: str = "", ranks: int = 1, offload: bool = True) -> str:
+    """``<ModelClass>#<fingerprint>|<device>|<budget bytes>|<solver>[|no offload][|<precision>][|<ranks>
+    ranks][|<per-sample input shapes>]|lightning-remat <version>``: one study per setting,
+    so a resumed search only reuses trials that measured the same thing (a changed model,
+    its attention implementation say, starts a study of its own; :func:`module_fingerprint`;
+    another release of this package plans and measures otherwise).
     ``budget_bytes`` None: the budget is the device's free memory, read afresh by each run
     (and each trial), so the name says ``free`` rather than one run's reading, which a
     resumed search would not read again to the byte."""
     budget = "free" if budget_bytes is None else f"{budget_bytes}B"
     parts = [f"{type(model).__name__}#{module_fingerprint(model)}", device_name(torch.device(device)),
              budget, solver]
+    if not offload:
+        parts.append("no offload")
     if precision:
         parts.append(str(precision))
     if ranks > 1:
         parts.append(f"{ranks} ranks")
     if sample_shape:
         parts.append(sample_shape)
+    from lightning_remat import __version__
+
+    parts.append(f"lightning-remat {__version__}")
     return "|".join(parts)
 
 
