@@ -176,10 +176,19 @@ def study_name_for(model: nn.Module, device: torch.device, budget_bytes: int | N
         parts.append(f"{ranks} ranks")
     if sample_shape:
         parts.append(sample_shape)
-    from lightning_remat import __version__
-
-    parts.append(f"lightning-remat {__version__}")
+    parts.append(f"lightning-remat {_release()}")
     return "|".join(parts)
+
+
+def _release() -> str:
+    """This package's installed version (its metadata: the package itself sits further
+    up the data flow)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning_remat")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "source"
 
 
 def module_fingerprint(model: nn.Module) -> str:
