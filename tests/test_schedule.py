@@ -30,7 +30,8 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
 from lightning_remat.runtime.module import apply_plan
 from lightning_remat.solvers.plan import Stage
-from lightning_remat.solvers.schedule import Schedule, make_schedule
+from lightning_remat.solvers.policy import in_forward_order
+from lightning_remat.solvers.schedule import Schedule, make_schedule, order_note
 from lightning_remat.solvers.scoring import make_plan
 from lightning_remat.solvers.simulate import simulate
 
@@ -419,7 +420,8 @@ def test_a_plan_whose_stages_leave_the_forwards_order_says_so_and_one_in_order_t
     section 5, "Plain's order"): a recomputed first stage that holds ``c`` makes its node
     before ``a``'s and ``b``'s, and the plan's notes name ``tanh``, whose three readers then
     run out of the forward's order. Stages in the forward's order, recomputed or not, train
-    to the bit and say nothing."""
+    to the bit and say nothing, and so does the plan :func:`in_forward_order` makes of the
+    first where it fits the budget."""
     torch.manual_seed(0)
     model = _ThreeReaders()
     plain = copy.deepcopy(model)
@@ -440,3 +442,14 @@ def test_a_plan_whose_stages_leave_the_forwards_order_says_so_and_one_in_order_t
     assert "the first: a after c" in note and note.endswith("tanh (1)"), note
     for name in ("a", "b", "c"):  # after tanh: summed as plain sums them
         assert torch.equal(getattr(model, name).weight.grad, getattr(plain, name).weight.grad), name
+
+    # The policy's plan for a budget moves the boundary to the forward's order where that fits.
+    ordered = in_forward_order(traced.graph, plan, plan.guaranteed_peak_bytes * 2)
+    assert [s.action for s in ordered.stages] == ["recompute", "keep"] and not order_note(traced.graph, ordered)
+    assert "in the forward's order" in ordered.notes[-1], ordered.notes
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    apply_plan(traced.runner, ordered, root=model, charge=traced.charge, graph=traced.graph)(x).backward()
+    plain(x).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
