@@ -30,7 +30,8 @@ from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
 from lightning_remat.runtime.module import apply_plan
 from lightning_remat.solvers.plan import Stage
-from lightning_remat.solvers.schedule import Schedule, make_schedule
+from lightning_remat.solvers.policy import in_forward_order
+from lightning_remat.solvers.schedule import Schedule, make_schedule, order_note
 from lightning_remat.solvers.scoring import make_plan
 from lightning_remat.solvers.simulate import simulate
 
@@ -398,3 +399,57 @@ def test_only_a_stage_that_draws_random_numbers_stashes_the_generator_state() ->
         remat_model(x.clone()).square().sum().backward()
         for (name, p), q in zip(plain.named_parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad), (step, name)
+
+
+class _ThreeReaders(nn.Module):
+    """``h`` read by three linear layers, whose gradients the backward sums into ``h``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.a, self.b, self.c = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.f(x))
+        return (self.a(h) * 1.3 + self.b(h) * 0.7 + self.c(h) * 1.1).sum()
+
+
+@pytest.mark.parametrize("first", [["f", "tanh"], ["f", "tanh", "c"]], ids=["in-order", "c-first"])
+def test_a_plan_whose_stages_leave_the_forwards_order_says_so_and_one_in_order_trains_to_the_bit(
+        first: list[str]) -> None:
+    """Autograd runs the readers of a value in the order the forward made them (design.md
+    section 5, "Plain's order"): a recomputed first stage that holds ``c`` makes its node
+    before ``a``'s and ``b``'s, and the plan's notes name ``tanh``, whose three readers then
+    run out of the forward's order. Stages in the forward's order, recomputed or not, train
+    to the bit and say nothing, and so does the plan :func:`in_forward_order` makes of the
+    first where it fits the budget."""
+    torch.manual_seed(0)
+    model = _ThreeReaders()
+    plain = copy.deepcopy(model)
+    traced = trace_module(model, torch.randn(8, 64))
+    rest = [v for v in traced.graph.ids if v not in first]
+    plan = make_plan(traced.graph, [(first, "recompute"), (rest, "keep")], "hand")
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=traced.graph)
+    notes = [n for n in plan.notes if n.startswith("order:")]
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    remat_model(x).backward()
+    plain(x).backward()
+    if first[-1] != "c":
+        assert not notes, notes
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        return
+    (note,) = notes
+    assert "the first: a after c" in note and note.endswith("tanh (1)"), note
+    for name in ("a", "b", "c"):  # after tanh: summed as plain sums them
+        assert torch.equal(getattr(model, name).weight.grad, getattr(plain, name).weight.grad), name
+
+    # The policy's plan for a budget moves the boundary to the forward's order where that fits.
+    ordered = in_forward_order(traced.graph, plan, plan.guaranteed_peak_bytes * 2)
+    assert [s.action for s in ordered.stages] == ["recompute", "keep"] and not order_note(traced.graph, ordered)
+    assert "in the forward's order" in ordered.notes[-1], ordered.notes
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
+    apply_plan(traced.runner, ordered, root=model, charge=traced.charge, graph=traced.graph)(x).backward()
+    plain(x).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -22,12 +22,22 @@ forward's own structure (a ``ModelOutput``, a dict) where the graph is interpret
 
 The graph is specialised to the module's mode when captured (training: dropout draws);
 outside training the module's own forward runs instead.
+
+The forward is captured as plain training runs it (:func:`as_plain_training`; docs/design.md
+section 3, "Plain's ops"): its own code reads ``torch.compiler.is_exporting()`` as False (torch's
+own code reads the true flag), and a Hugging Face cache the planner's calls turn off is on, as
+the config sets it, and dropped from the captured output. A forward that cannot be exported
+so is captured again as ``torch.export`` runs it (``ExportedGraph.plain_failure`` says why).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import operator
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +46,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_remat.graph.calls import caches_as_configured, without_caches
 from lightning_remat.graph.functions import opaque_functions, replay_call
 
-__all__ = ["ExportedGraph", "StructuredOutput", "export_graph_module"]
+__all__ = ["ExportedGraph", "PlainReads", "StructuredOutput", "as_plain_training", "export_graph_module"]
 
 
 class StructuredOutput(fx.graph.CodeGen):
@@ -65,6 +76,67 @@ class ExportedGraph:
     """The placeholders' names, in the order of the call's positional then keyword arguments."""
     output_spec: pytree.TreeSpec
     """The forward's output structure over the graph's output leaves."""
+    plain_failure: str = ""
+    """Empty where the forward was captured as plain training runs it; else why that capture
+    failed (the graph then holds the branches the forward takes under ``torch.export``)."""
+
+
+@dataclass
+class PlainReads:
+    """What :func:`as_plain_training` changed for the forward it ran."""
+
+    exporting: bool = False
+    """The forward's own code asked ``torch.compiler.is_exporting()`` (and was told False)."""
+    caches: bool = False
+    """A cache the planner's calls turn off was on (:func:`~lightning_remat.graph.calls.caches_as_configured`)."""
+
+    @property
+    def changed(self) -> bool:
+        return self.exporting or self.caches
+
+
+def _torchs_own(frame_globals: dict[str, Any]) -> bool:
+    name = str(frame_globals.get("__name__", ""))
+    return name == "torch" or name.startswith("torch.")
+
+
+@contextlib.contextmanager
+def as_plain_training(module: nn.Module) -> Iterator[PlainReads]:
+    """Inside, ``module``'s forward takes the branches it takes in plain training while
+    ``torch.export`` runs it: code outside torch reads ``torch.compiler.is_exporting()`` as
+    False (Hugging Face's masks then skip the causal mask for sdpa's ``is_causal`` where no
+    token is padded, a choice made on shapes alone, which the graph is specialised to
+    anyway); a Hugging Face cache the planner's calls turn off reads as the config sets it,
+    and the forward's output holds None in its place (a training step never reads it). The
+    module's ``forward`` and the flag are as they were after."""
+    reads = PlainReads()
+    flag = torch.compiler.is_exporting
+
+    def is_exporting() -> bool:
+        if _torchs_own(sys._getframe(1).f_globals):
+            return flag()
+        reads.exporting = True
+        return False
+
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    own = module.forward
+
+    @functools.wraps(own)  # export binds the call to the forward's own signature
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return without_caches(own(*args, **kwargs))
+
+    with caches_as_configured() as reads.caches:
+        torch.compiler.is_exporting = is_exporting  # type: ignore[assignment]
+        module.forward = forward  # type: ignore[method-assign]
+        try:
+            yield reads
+        finally:
+            torch.compiler.is_exporting = flag  # type: ignore[assignment]
+            if had:
+                module.forward = previous  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward", None)
 
 
 def _argument_names(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
@@ -113,8 +185,17 @@ def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
     objects, effect tokens, outputs that mutate inputs)."""
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with opaque_functions() as functions:
-        program = torch.export.export(module, inputs, kwargs, strict=False)
+    plain_failure = ""
+    with opaque_functions() as functions, as_plain_training(module) as reads:
+        try:
+            program = torch.export.export(module, inputs, kwargs, strict=False)
+        except Exception as exc:  # export raises many kinds (guards on data, unsupported ops)
+            if not reads.changed:
+                raise
+            plain_failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    if plain_failure:  # its branches as torch.export runs it, the planner's calls' cache off
+        with opaque_functions() as functions:
+            program = torch.export.export(module, inputs, kwargs, strict=False)
     signature = program.graph_signature
     call_signature = program.module_call_graph[0].signature
     assert call_signature is not None
@@ -170,4 +251,4 @@ def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
         env[node] = copied
     graph.set_codegen(StructuredOutput(out_spec))
     gm = fx.GraphModule(holder, graph, type(module).__name__)
-    return ExportedGraph(gm=gm, argument_names=names, output_spec=out_spec)
+    return ExportedGraph(gm=gm, argument_names=names, output_spec=out_spec, plain_failure=plain_failure[:300])

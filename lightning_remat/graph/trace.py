@@ -128,6 +128,10 @@ class Traced:
     export_failure: str = ""
     """Why torch.export was not used (fallback only; empty when it was not tried)."""
     repeated: list[str] = field(default_factory=list)
+    export_branches: str = ""
+    """For an export capture that could not run the forward as plain training runs it
+    (:func:`~lightning_remat.graph.export.as_plain_training`): why; its graph holds the
+    branches the forward takes under ``torch.export``, whose ops may round otherwise."""
     output_spec: pytree.TreeSpec | None = None
     """The pytree structure of the module's own output on the example call. fx records an
     ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict; an exported graph
@@ -145,8 +149,11 @@ class Traced:
         number of vertices and, for the fallback, which submodules are opaque and why."""
         count = len(self.graph)
         if self.kind == EXPORT:
+            branches = (f"; the branches it takes under torch.export, not plain training's "
+                        f"({self.export_branches}): its ops may round otherwise than plain's"
+                        if self.export_branches else "")
             return (f"capture: torch.export (non-strict), {count} vertices, one per ATen op "
-                    f"(torch.fx could not trace it: {self.fx_failure})")
+                    f"(torch.fx could not trace it: {self.fx_failure}){branches}")
         if self.kind == CHILDREN:
             why = f"torch.fx: {self.fx_failure}" + (
                 f"; torch.export: {self.export_failure}" if self.export_failure else "")
@@ -324,7 +331,7 @@ def _trace_export(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, 
     with preserved_state(module, devices):
         exported = export_graph_module(module, inputs, kwargs)
     traced = Traced(gm=exported.gm, graph=Graph([], []), kind=EXPORT, output_spec=exported.output_spec,
-                    _signature_names=exported.argument_names)
+                    export_branches=exported.plain_failure, _signature_names=exported.argument_names)
     return _checked(module, traced, inputs, kwargs, devices)
 
 

@@ -65,7 +65,7 @@ from lightning_remat.runtime.stages import (
     with_output_containers,
 )
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.schedule import make_schedule
+from lightning_remat.solvers.schedule import make_schedule, order_note
 
 __all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_traced_variant",
            "build_variant"]
@@ -546,6 +546,9 @@ def build_variant(
     owner.adopt_targets(gm.graph, [s for s in (root, gm) if s is not None])
     if graph is None:
         graph = fx_vertex_graph(gm, plan, charge)
+    note = order_note(graph, plan)
+    if note and note not in plan.notes:
+        plan.notes.append(note)
     stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
     stages.output = with_output_containers(stages.output, output_spec)
     return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))

@@ -16,11 +16,12 @@ from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import SOLVERS, fits, min_budget, plain_plan, simulate, solve
 from lightning_remat.solvers.plan import Plan, Stage
+from lightning_remat.solvers.schedule import order_note
 from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
     "accepted_plan", "check_solver_for_device", "every_submodule_recomputed", "has_host_memory",
-    "per_submodule_plan", "plain_peak_bytes", "plan_for", "smallest_budget", "solve_within",
+    "in_forward_order", "per_submodule_plan", "plain_peak_bytes", "plan_for", "smallest_budget", "solve_within",
     "solver_options",
 ]
 
@@ -85,7 +86,52 @@ def solve_within(graph: Graph, budget: int, solver: str, options: dict[str, Any]
         plan.notes.append(f"the plain step measured {format_bytes(plain_peak_bytes(graph))}, "
                           f"within {format_bytes(budget)}: nothing recomputed")
         return plan
-    return solve(graph, budget, solver, **options)
+    return in_forward_order(graph, solve(graph, budget, solver, **options), budget)
+
+
+def _prefix_stages(graph: Graph, plan: Plan, later: bool) -> list[tuple[list[str], str]]:
+    """``plan``'s stages with each boundary moved to the forward's order: after the last
+    vertex (``later``) or before the first vertex not yet run (else) of the stages up to
+    it. Each stage keeps its action; a stage left empty is dropped."""
+    ids = graph.ids
+    run: set[str] = set()
+    cuts = []
+    for stage in plan.stages[:-1]:
+        run |= set(stage.nodes)
+        if later:
+            cuts.append(max(graph.position(v) for v in run) + 1)
+        else:
+            cuts.append(next((k for k, v in enumerate(ids) if v not in run), len(ids)))
+    bounds = [0, *cuts, len(ids)]
+    bounds = [max(bounds[: k + 1]) for k in range(len(bounds))]  # nondecreasing
+    stages = [(ids[a:b], stage.action) for (a, b), stage in zip(zip(bounds, bounds[1:]), plan.stages)]
+    return [(nodes, action) for nodes, action in stages if nodes]
+
+
+def in_forward_order(graph: Graph, plan: Plan, budget: int | None) -> Plan:
+    """``plan``, or, where its stages run ops out of the forward's order and a plan whose
+    stages keep it fits ``budget``, that plan: the backward then sums every gradient in
+    plain training's order, to the bit (docs/design.md section 5, "Plain's order"). The
+    candidates move each stage boundary to the forward's order, all later or all earlier,
+    the actions kept; the one with the least predicted extra time is taken. A plan that
+    offloads is left as it is (its time has the copies, which these candidates' would not
+    weigh)."""
+    if not order_note(graph, plan) or any(s.action == "offload" for s in plan.stages):
+        return plan
+    fitting = []
+    for later in (True, False):
+        candidate = make_plan(graph, _prefix_stages(graph, plan, later), plan.solver, budget, notes=list(plan.notes))
+        if fits(candidate, budget) and not order_note(graph, candidate):
+            fitting.append(candidate)
+    if not fitting:
+        return plan
+    chosen = min(fitting, key=lambda p: (p.predicted_extra_seconds, p.guaranteed_peak_bytes))
+    chosen.notes.append(
+        f"in the forward's order: the solver's {len(plan.stages)} stages ran ops out of it (gradients "
+        f"summed otherwise than plain's); {len(chosen.stages)} stages cut at the forward's order fit, "
+        f"predicted {chosen.predicted_extra_seconds * 1e3:.2f} ms extra against "
+        f"{plan.predicted_extra_seconds * 1e3:.2f} ms")
+    return chosen
 
 
 def plan_for(graph: Graph, budget: int | None, solver: str, options: dict[str, Any],

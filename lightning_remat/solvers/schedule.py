@@ -54,7 +54,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import inplace_operands, random_vertices
 from lightning_remat.solvers.plan import Plan
 
-__all__ = ["Schedule", "ScheduleParts", "StageSchedule", "Step", "data_edges", "make_schedule"]
+__all__ = ["Schedule", "ScheduleParts", "StageSchedule", "Step", "data_edges", "make_schedule", "order_note"]
 
 
 def data_edges(graph: Graph) -> list[tuple[str, str]]:
@@ -366,3 +366,43 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
                     and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)))):
             rewritten.add(v)
     return rewritten
+
+
+def order_note(graph: Graph, plan: Plan) -> str:
+    """A note for a plan whose stages run ops out of the forward's order, else "".
+
+    The executor runs the stages one after the other, each in the forward's order; a plan
+    whose stage holds an op the forward runs before an op of an earlier stage (a lower set
+    of Kusumoto et al.'s DP that is not a prefix of the forward) makes autograd's nodes in
+    another order than plain training. The backward takes the ready nodes in the order they
+    were made (the latest first), so it can meet the readers of a value in another order
+    and sum that value's gradient otherwise: where three or more readers hand it a
+    gradient, the sum, and every gradient computed from it (those of the ops before it),
+    can differ from plain training's in the last bits (docs/design.md section 5, "Plain's
+    order"). The note names the values whose readers run in another order than the
+    forward's, the direct cases."""
+    position = {v: graph.position(v) for s in plan.stages for v in s.nodes if v in graph}
+    order = [v for s in plan.stages for v in sorted((v for v in s.nodes if v in position), key=position.__getitem__)]
+    latest, late, first = "", 0, ""
+    for v in order:
+        if latest and position[v] < position[latest]:
+            late += 1
+            first = first or f"{v} after {latest}"
+        elif not latest or position[v] > position[latest]:
+            latest = v
+    if not late:
+        return ""
+    ran = {v: k for k, v in enumerate(order)}
+    readers: dict[str, list[str]] = {}
+    for u, v in data_edges(graph):
+        if u in ran and v in ran:
+            readers.setdefault(u, []).append(v)
+    moved = [u for u, vs in readers.items() if len(vs) >= 3
+             and sorted(vs, key=ran.__getitem__) != sorted(vs, key=position.__getitem__)]
+    moved.sort(key=position.__getitem__)
+    named = (f"; values read by three or more ops whose readers run out of the forward's order: "
+             f"{', '.join(moved[:8])}{' ...' if len(moved) > 8 else ''} ({len(moved)})" if moved else "")
+    return (f"order: the stages run {late} ops after ops the forward runs later (the first: {first}); "
+            "the backward can then sum the gradient of a value read by three or more ops in another "
+            "order than plain training, and that gradient and those before it can differ from plain's "
+            f"in the last bits{named}")
