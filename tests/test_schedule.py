@@ -29,6 +29,7 @@ from lightning_remat.graph.ops import keepable
 from lightning_remat.graph.profile import profile_module
 from lightning_remat.graph.trace import trace_module
 from lightning_remat.runtime.module import apply_plan
+from lightning_remat.solvers.kusumoto import solve_in_forward_order
 from lightning_remat.solvers.plan import Stage
 from lightning_remat.solvers.policy import in_forward_order
 from lightning_remat.solvers.schedule import Schedule, make_schedule, order_note
@@ -453,3 +454,29 @@ def test_a_plan_whose_stages_leave_the_forwards_order_says_so_and_one_in_order_t
     plain(x).backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("seed", SEEDS[:8])
+def test_the_dp_over_the_forwards_prefixes_keeps_its_order_and_trains_to_the_bit(seed: int) -> None:
+    """Kusumoto's approximate DP over the prefixes of the forward's order (the policy's
+    fallback where the solver's stages leave it): stages that are runs of the forward's
+    order, so no order note, and two steps equal to plain's to the bit."""
+    model, x, traced, graph, _, _ = _setup(seed)
+    plan = solve_in_forward_order(graph, int(0.8 * simulate(graph).peak_bytes))
+    positions = [[graph.position(v) for v in s.nodes] for s in plan.stages]
+    assert sorted(p for ps in positions for p in ps) == list(range(len(graph)))
+    assert all(ps == list(range(ps[0], ps[0] + len(ps))) for ps in positions), positions
+    assert all(a[-1] < b[0] for a, b in zip(positions, positions[1:]))
+    assert not order_note(graph, plan)
+    plain = Generated(seed)
+    plain.load_state_dict(model.state_dict())
+    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        a = plain(x.clone())
+        torch.manual_seed(100 + step)
+        b = remat_model(x.clone())
+        (a[0].square().sum() + a[1].sum()).backward()
+        (b[0].square().sum() + b[1].sum()).backward()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), name

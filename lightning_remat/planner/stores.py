@@ -13,7 +13,7 @@ from lightning_remat.cache import PlanBasis, StoredPlan, describe_change, resimu
 from lightning_remat.errors import warn_caller
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan
-from lightning_remat.solvers.policy import plain_peak_bytes
+from lightning_remat.solvers.policy import in_forward_order, plain_peak_bytes
 
 __all__ = ["StoredPlans"]
 
@@ -25,7 +25,9 @@ class StoredPlans:
     def _trusted(self, graph: Graph, plan: Plan, source: str, device: torch.device,
                  per_submodule: bool) -> tuple[Graph, Plan] | None:
         """A stored plan re-simulated on its graph (:func:`~lightning_remat.cache.resimulated`)
-        against this run's budget, with its prediction recomputed; None, after one warning,
+        against this run's budget, with its prediction recomputed, and cut at the forward's
+        order where it leaves it and a plan that keeps it fits
+        (:func:`~lightning_remat.solvers.policy.in_forward_order`); None, after one warning,
         when it does not cover its graph or is over the budget (the caller plans afresh, and
         a fresh plan replaces it in the cache)."""
         budget = self._budget_read = self._budget(graph, device)
@@ -33,7 +35,11 @@ class StoredPlans:
         plain_fits = (budget is not None and self.settings.solver == "auto" and bool(graph.meta.plain_peak_bytes)
                       and plain_peak_bytes(graph) + excess <= budget)
         try:
-            return graph, resimulated(graph, plan, budget, whole_stages=per_submodule, plain_fits=plain_fits)
+            trusted = resimulated(graph, plan, budget, whole_stages=per_submodule, plain_fits=plain_fits)
+            if budget is not None and not per_submodule:
+                # Stored before the policy kept the forward's order where the budget allows.
+                trusted = in_forward_order(graph, trusted, budget)
+            return graph, trusted
         except (ValueError, KeyError) as exc:
             self._budget_read = None
             warn_caller(f"lightning-remat: the {source}'s plan for this input is not used: {exc}; "

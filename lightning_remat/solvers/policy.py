@@ -15,6 +15,7 @@ from lightning_remat.budget import format_bytes
 from lightning_remat.errors import RematInfeasibleError, SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import SOLVERS, fits, min_budget, plain_plan, simulate, solve
+from lightning_remat.solvers.kusumoto import solve_in_forward_order
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import order_note
 from lightning_remat.solvers.scoring import make_plan
@@ -112,17 +113,20 @@ def in_forward_order(graph: Graph, plan: Plan, budget: int | None) -> Plan:
     """``plan``, or, where its stages run ops out of the forward's order and a plan whose
     stages keep it fits ``budget``, that plan: the backward then sums every gradient in
     plain training's order, to the bit (docs/design.md section 5, "Plain's order"). The
-    candidates move each stage boundary to the forward's order, all later or all earlier,
-    the actions kept; the one with the least predicted extra time is taken. A plan that
+    candidates: ``plan``'s stage boundaries moved to the forward's order, all later or all
+    earlier, the actions kept; and Kusumoto's approximate DP over the prefixes of the
+    forward's order (:func:`~lightning_remat.solvers.kusumoto.solve_in_forward_order`, with
+    ``plan``'s objective). The one with the least predicted extra time is taken. A plan that
     offloads is left as it is (its time has the copies, which these candidates' would not
     weigh)."""
     if not order_note(graph, plan) or any(s.action == "offload" for s in plan.stages):
         return plan
-    fitting = []
-    for later in (True, False):
-        candidate = make_plan(graph, _prefix_stages(graph, plan, later), plan.solver, budget, notes=list(plan.notes))
-        if fits(candidate, budget) and not order_note(graph, candidate):
-            fitting.append(candidate)
+    candidates = [make_plan(graph, _prefix_stages(graph, plan, later), plan.solver, budget, notes=list(plan.notes))
+                  for later in (True, False)]
+    solved = solve_in_forward_order(graph, budget, "mc" if plan.solver.endswith("-mc") else "tc")
+    solved.solver = plan.solver
+    candidates.append(solved)
+    fitting = [c for c in candidates if fits(c, budget) and not order_note(graph, c)]
     if not fitting:
         return plan
     chosen = min(fitting, key=lambda p: (p.predicted_extra_seconds, p.guaranteed_peak_bytes))

@@ -63,7 +63,12 @@ import numpy as np
 
 from lightning_remat.errors import SolverDeclinedError
 from lightning_remat.graph.ir import Graph
-from lightning_remat.solvers.kusumoto.bits import all_lower_sets, approximate_sets, graph_bits
+from lightning_remat.solvers.kusumoto.bits import (
+    all_lower_sets,
+    approximate_sets,
+    graph_bits,
+    prefix_sets,
+)
 from lightning_remat.solvers.kusumoto.family import LowerSetFamily
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan, model_margin
@@ -72,7 +77,7 @@ __all__ = [
     "DEFAULT_MAX_LOWER_SETS", "DEFAULT_TIME_STEPS", "LowerSetFamily", "evaluate_sequence",
     "min_budget_solve_approx_mc", "min_budget_solve_approx_tc", "min_budget_solve_exact_mc",
     "min_budget_solve_exact_tc", "solve_approx_mc", "solve_approx_tc", "solve_exact_mc",
-    "solve_exact_tc",
+    "solve_exact_tc", "solve_in_forward_order",
 ]
 
 # The exact DP steps between pairs of lower sets, a table quadratic in the family: on a small
@@ -131,19 +136,24 @@ _FAMILY_CACHE: OrderedDict[tuple, LowerSetFamily] = OrderedDict()
 _FAMILY_CACHE_SIZE = 8
 
 
-def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = False) -> LowerSetFamily:
+def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = False,
+            prefixes: bool = False) -> LowerSetFamily:
     """The family of lower sets for a graph, reused across calls on the same graph and
     costs (auto, min-budget searches and benchmarks call the DP several times);
-    ``simulated`` asks for the simulator's stage costs whatever they cost."""
+    ``simulated`` asks for the simulator's stage costs whatever they cost; ``prefixes``:
+    the prefixes of the forward's order in place of the approximate family."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (exact, simulated, _cost_key(graph))
+    key = (exact, simulated, prefixes, _cost_key(graph))
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = graph_bits(graph)
-    sets = all_lower_sets(bits, max_lower_sets) if exact else approximate_sets(bits, simulated)
+    if prefixes:
+        sets = prefix_sets(bits)
+    else:
+        sets = all_lower_sets(bits, max_lower_sets) if exact else approximate_sets(bits, simulated)
     # The approximate family too takes the simulator's own stage costs where simulating
     # every pair is cheap (a simulation is O(n)): its plans are then as tight as the model.
     pairs = len(set(sets) | {0, bits.full}) ** 2 // 2
@@ -151,7 +161,7 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
     # the approximate one affords only for a tight budget: above it (a 329-vertex chain, 54k
     # pairs) the simulations alone took 80 s on a 2-core CPU, and the bound still fits.
     simulated = simulated or pairs * max(bits.n, 1) <= (_TIGHTER_WORK if exact else _SIMULATED_WORK)
-    if simulated and not exact:
+    if simulated and not exact and not prefixes:
         sets = approximate_sets(bits, True)
     family = LowerSetFamily(bits, sets, simulated=simulated)
     if simulated:
@@ -198,12 +208,13 @@ def _cost_key(graph: Graph) -> str:
     return json.dumps(data)
 
 
-def _tighter_family(graph: Graph, family: LowerSetFamily) -> LowerSetFamily | None:
-    """The same approximate family with the simulator's stage costs, where ``family`` uses
-    the upper bound and simulating every pair is affordable (``_TIGHTER_WORK``); else None."""
+def _tighter_family(graph: Graph, family: LowerSetFamily, prefixes: bool = False) -> LowerSetFamily | None:
+    """The same approximate family (or the prefixes) with the simulator's stage costs, where
+    ``family`` uses the upper bound and simulating every pair is affordable
+    (``_TIGHTER_WORK``); else None."""
     if family.simulated or (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK:
         return None
-    return _family(graph, False, DEFAULT_MAX_LOWER_SETS, simulated=True)
+    return _family(graph, False, DEFAULT_MAX_LOWER_SETS, simulated=True, prefixes=prefixes)
 
 
 def _plan_from_sequence(
@@ -231,13 +242,13 @@ def _plan_from_sequence(
 
 
 def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: str,
-           max_lower_sets: int, time_steps: int) -> Plan:
+           max_lower_sets: int, time_steps: int, prefixes: bool = False) -> Plan:
     budget = _check_budget(budget_bytes)
     if time_steps < 1:
         raise ValueError(f"time_steps={time_steps} must be at least 1")
     name = "kusumoto-" + ("exact-" if exact else "") + objective
     try:
-        family = _family(graph, exact, max_lower_sets)
+        family = _family(graph, exact, max_lower_sets, prefixes=prefixes)
     except SolverDeclinedError as declined:
         raise declined.for_solver(budget, name) from None
     notes: list[str] = []
@@ -260,7 +271,7 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
     found = _run(family, target, objective, time_steps)
     if found is not None:
         return _plan_from_sequence(graph, family, found, name, budget, notes, True)
-    tighter = _tighter_family(graph, family)
+    tighter = _tighter_family(graph, family, prefixes)
     if tighter is not None:
         family = tighter
         found = _run(family, target, objective, time_steps)
@@ -350,6 +361,17 @@ def solve_exact_mc(graph: Graph, budget_bytes: int | None, *,
     """Exact DP (section 4.2), memory-centric (section 4.4)."""
     return _solve(graph, budget_bytes, exact=True, objective="mc",
                   max_lower_sets=max_lower_sets, time_steps=time_steps)
+
+
+def solve_in_forward_order(graph: Graph, budget_bytes: int | None, objective: str = "tc", *,
+                           time_steps: int = DEFAULT_TIME_STEPS) -> Plan:
+    """The approximate DP over the n + 1 prefixes of the forward's order in place of the
+    ancestor sets: a strategy whose stages run every op where the forward runs it, so the
+    backward sums every gradient in plain training's order (docs/design.md section 5,
+    "Plain's order"). ``objective``: "tc" or "mc". Its plan is infeasible (``feasible``
+    false) where no such strategy meets the budget."""
+    return _solve(graph, budget_bytes, exact=False, objective=objective,
+                  max_lower_sets=DEFAULT_MAX_LOWER_SETS, time_steps=time_steps, prefixes=True)
 
 
 def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOWER_SETS,

@@ -23,7 +23,7 @@ from lightning_remat.solvers.schedule import data_edges
 from lightning_remat.solvers.simulate import SharedSteps
 from lightning_remat.solvers.stage_costs import vertex_costs
 
-__all__ = ["GraphBits", "all_lower_sets", "ancestor_sets", "approximate_sets", "graph_bits"]
+__all__ = ["GraphBits", "all_lower_sets", "ancestor_sets", "approximate_sets", "graph_bits", "prefix_sets"]
 
 
 @dataclass
@@ -127,6 +127,13 @@ def approximate_sets(bits: GraphBits, simulated: bool = True) -> list[int]:
       counts an in-place op's storage at each of its vertices."""
     return [s for i, s in enumerate(ancestor_sets(bits))
             if not (bits.view[i] or (simulated and bits.overwritten[i]))]
+
+
+def prefix_sets(bits: GraphBits) -> list[int]:
+    """The n + 1 prefixes of the graph's order, the forward's: the family whose strategies
+    run every op where the forward runs it (docs/design.md section 5, "Plain's order"). A
+    prefix of a topological order is a lower set."""
+    return [(1 << k) - 1 for k in range(bits.n + 1)]
 
 
 def all_lower_sets(bits: GraphBits, max_lower_sets: int) -> list[int]:
