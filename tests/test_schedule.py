@@ -245,6 +245,12 @@ def test_the_simulator_steps_through_the_schedule(seed: int, policy_seconds: flo
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_scheduled_step_trains_as_plain(seed: int, policy_seconds: float | None) -> None:
     model, x, traced, graph, plan, _ = _setup(seed, policy_seconds)
+    _trains_to_the_bit(seed, model, x, traced, graph, plan)
+
+
+def _trains_to_the_bit(seed: int, model, x, traced, graph, plan) -> None:
+    """Two steps of ``plan`` on ``model`` and of a plain copy: outputs and every gradient
+    ``torch.equal``."""
     plain = Generated(seed)
     plain.load_state_dict(model.state_dict())
     remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
@@ -468,15 +474,4 @@ def test_the_dp_over_the_forwards_prefixes_keeps_its_order_and_trains_to_the_bit
     assert all(ps == list(range(ps[0], ps[0] + len(ps))) for ps in positions), positions
     assert all(a[-1] < b[0] for a, b in zip(positions, positions[1:]))
     assert not order_note(graph, plan)
-    plain = Generated(seed)
-    plain.load_state_dict(model.state_dict())
-    remat_model = apply_plan(traced.runner, plan, root=model, charge=traced.charge, graph=graph)
-    for step in range(2):
-        torch.manual_seed(100 + step)
-        a = plain(x.clone())
-        torch.manual_seed(100 + step)
-        b = remat_model(x.clone())
-        (a[0].square().sum() + a[1].sum()).backward()
-        (b[0].square().sum() + b[1].sum()).backward()
-        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
-            assert torch.equal(p.grad, q.grad), name
+    _trains_to_the_bit(seed, model, x, traced, graph, plan)
