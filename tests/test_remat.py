@@ -464,7 +464,13 @@ def test_the_budget_holds_on_a_small_cnn_with_inplace_relus(solver: str) -> None
     try:
         remat_model = remat(model, x, "70%", solver=solver)
     except RematInfeasibleError as refused:
-        remat_model = remat(model, x, refused.min_budget_bytes, solver=solver)
+        try:
+            remat_model = remat(model, x, refused.min_budget_bytes, solver=solver)
+        except RematInfeasibleError as again:
+            # Each remat() profiles again; its workspaces may read a few hundred bytes more
+            # than the profile that named the budget (docs/limitations.md).
+            assert again.min_budget_bytes <= 1.01 * refused.min_budget_bytes, (refused, again)
+            remat_model = remat(model, x, again.min_budget_bytes, solver=solver)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
