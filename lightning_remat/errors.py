@@ -19,11 +19,15 @@ class RematInfeasibleError(RematError):
     method reaches (None when it is not known)."""
 
     def __init__(self, budget_bytes: int, min_budget_bytes: int | None, tried: str = "",
-                 measured_peak_bytes: int | None = None, *, cause: str = "") -> None:
+                 measured_peak_bytes: int | None = None, *, cause: str = "",
+                 profiled_least_bytes: int | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = None if min_budget_bytes is None else int(min_budget_bytes)
         self.tried = tried
         self.cause = cause
+        self.profiled_least_bytes = profiled_least_bytes
+        """Where the budget named holds room for another profile (:meth:`with_room`): the
+        smallest budget this profile's graph is planned at."""
         """Why the smallest budget is high, where it is known (a coarse capture)."""
         self.measured_peak_bytes = None if measured_peak_bytes is None else int(measured_peak_bytes)
         """The training step's measured peak, where the refusal comes from a step measured
@@ -39,19 +43,34 @@ class RematInfeasibleError(RematError):
         if tried:
             message += f" with {tried}"
         if self.min_budget_bytes is not None:
+            room = ("" if profiled_least_bytes is None else
+                    f": this profile's least, {profiled_least_bytes}, and room for the next profile's")
             message += (
                 f"; the smallest feasible budget is {format_bytes(self.min_budget_bytes)} "
-                f"({self.min_budget_bytes} bytes): raise memory_budget to at least that,"
+                f"({self.min_budget_bytes} bytes{room}): raise memory_budget to at least that,"
                 " or lower the batch size"
             )
         if cause:
             message += f". {cause}"
+        self._message = message
         super().__init__(message)
 
     def because(self, cause: str) -> RematInfeasibleError:
         """The same refusal with ``cause`` said after it."""
         return RematInfeasibleError(self.budget_bytes, self.min_budget_bytes, self.tried,
-                                    self.measured_peak_bytes, cause=cause)
+                                    self.measured_peak_bytes, cause=cause,
+                                    profiled_least_bytes=self.profiled_least_bytes)
+
+    def with_room(self, fraction: float) -> RematInfeasibleError:
+        """The same refusal naming a budget ``fraction`` above the smallest one: given
+        again, ``remat()`` profiles again, and that profile's workspaces can read a few
+        hundred bytes more, so the budget named must hold them too."""
+        if self.min_budget_bytes is None or self.profiled_least_bytes is not None \
+                or self.args != (self._message,):  # named already, or told in words of its own
+            return self
+        return RematInfeasibleError(self.budget_bytes, int(self.min_budget_bytes * (1 + fraction)) + 1,
+                                    self.tried, self.measured_peak_bytes, cause=self.cause,
+                                    profiled_least_bytes=self.min_budget_bytes)
 
 
 class SolverDeclinedError(RematInfeasibleError):

@@ -84,7 +84,7 @@ from lightning_remat.messages import (
     SharedPlan,
     world_size,
 )
-from lightning_remat.planner.first_step import FirstStepCheck
+from lightning_remat.planner.first_step import PROFILE_SLACK, FirstStepCheck
 from lightning_remat.planner.settings import (
     Planned,
     PlanSettings,
@@ -561,10 +561,15 @@ class Planner(FirstStepCheck, StoredPlans):
                 budget = self._budget_read = self.step_budget.over(self, refused)
                 plan = accepted_plan(graph, budget, self.settings.solver, options, traced.kind == CHILDREN)
         except RematInfeasibleError as refused:
-            cause = traced.coarse_cause()
-            if not cause or isinstance(refused, SolverDeclinedError) or refused.cause:
+            if isinstance(refused, SolverDeclinedError):
                 raise
-            raise refused.because(cause) from None
+            named = refused.with_room(PROFILE_SLACK)
+            cause = traced.coarse_cause()
+            if cause and not named.cause:
+                named = named.because(cause)
+            if named is refused:
+                raise
+            raise named from None
         if self.cache is not None:
             self.cache.put(basis, graph, plan)
         note(planning_summary(time.perf_counter() - started, graph.meta.step_seconds,

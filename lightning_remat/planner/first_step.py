@@ -46,7 +46,7 @@ from lightning_remat.solvers.policy import (
     solver_options,
 )
 
-__all__ = ["REFUSAL_SLACK", "STEP_REPLANS", "FirstStepCheck"]
+__all__ = ["PROFILE_SLACK", "REFUSAL_SLACK", "STEP_REPLANS", "FirstStepCheck"]
 
 STEP_REPLANS = 2
 """How many times an input whose first planned step measured over its prediction is
@@ -57,6 +57,13 @@ is refused (docs/design.md section 4.7)."""
 REFUSAL_SLACK = 0.01
 """What the budget a measured refusal names holds beyond the smallest one that held here:
 the variation of a step's excess over its prediction between plans."""
+
+PROFILE_SLACK = REFUSAL_SLACK
+"""What the budget a solver's refusal names holds beyond the smallest one this profile
+plans at: given again, ``remat()`` profiles again, and the solvers that weigh time
+(Chen's greedy cuts, the time-centric DP's ties) can place their stages a little
+differently on another profile's times; on a 2-core CPU under load the smallest budget
+moved by up to 0.11% between profiles of one model (docs/limitations.md)."""
 
 
 class FirstStepCheck:
