@@ -7,7 +7,7 @@ import os
 import sys
 import warnings
 
-from lightning_remat.budget import format_bytes
+from lightning_remat.budget import format_bytes, with_room
 
 
 class RematError(Exception):
@@ -61,14 +61,14 @@ class RematInfeasibleError(RematError):
                                     self.measured_peak_bytes, cause=cause,
                                     profiled_least_bytes=self.profiled_least_bytes)
 
-    def with_room(self, fraction: float) -> RematInfeasibleError:
-        """The same refusal naming a budget ``fraction`` above the smallest one: given
-        again, ``remat()`` profiles again, and that profile's workspaces can read a few
-        hundred bytes more, so the budget named must hold them too."""
+    def with_room(self) -> RematInfeasibleError:
+        """The same refusal naming a budget a little above the smallest one
+        (:func:`~lightning_remat.budget.with_room`): given again, ``remat()`` profiles
+        again, and that profile's smallest budget can be higher by bytes."""
         if self.min_budget_bytes is None or self.profiled_least_bytes is not None \
                 or self.args != (self._message,):  # named already, or told in words of its own
             return self
-        return RematInfeasibleError(self.budget_bytes, int(self.min_budget_bytes * (1 + fraction)) + 1,
+        return RematInfeasibleError(self.budget_bytes, with_room(self.min_budget_bytes),
                                     self.tried, self.measured_peak_bytes, cause=self.cause,
                                     profiled_least_bytes=self.min_budget_bytes)
 

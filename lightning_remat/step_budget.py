@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lightning_remat.budget import Budget, format_bytes
+from lightning_remat.budget import Budget, format_bytes, with_room
 from lightning_remat.errors import RematInfeasibleError
 from lightning_remat.graph.ir import Graph
 
@@ -161,7 +161,8 @@ class StepBudget:
         if sum(self.used(n) for n in names) <= total:
             return
         if len(names) == 1:
-            raise naming(deferred[names[0]], names[0]) if names[0] in deferred else next(iter(deferred.values()))
+            raise naming(deferred[names[0]].with_room(), names[0]) if names[0] in deferred \
+                else next(iter(deferred.values())).with_room()
         least = {n: (deferred[n].min_budget_bytes if n in deferred else
                      self.members[n].least_budget(self.members[n].last)) for n in names}
         if any(v is None for v in least.values()) or sum(int(v or 0) for v in least.values()) > total:
@@ -170,7 +171,7 @@ class StepBudget:
                     sum(self.used(n) for n in names) - total)
 
     def _refusal(self, least: dict[str, int | None], total: int) -> RematInfeasibleError:
-        needed = sum(int(v or 0) for v in least.values())
+        needed = with_room(sum(int(v or 0) for v in least.values()))  # met by new profiles
         each = ", ".join(f"{n or 'the LightningModule'} at least {format_bytes(int(v or 0))}"
                          for n, v in least.items())
         if self.relative:

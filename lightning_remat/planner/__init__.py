@@ -84,7 +84,7 @@ from lightning_remat.messages import (
     SharedPlan,
     world_size,
 )
-from lightning_remat.planner.first_step import PROFILE_SLACK, FirstStepCheck
+from lightning_remat.planner.first_step import FirstStepCheck
 from lightning_remat.planner.settings import (
     Planned,
     PlanSettings,
@@ -563,7 +563,7 @@ class Planner(FirstStepCheck, StoredPlans):
         except RematInfeasibleError as refused:
             if isinstance(refused, SolverDeclinedError):
                 raise
-            named = refused.with_room(PROFILE_SLACK)
+            named = refused.with_room()
             cause = traced.coarse_cause()
             if cause and not named.cause:
                 named = named.because(cause)

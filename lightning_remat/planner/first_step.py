@@ -17,7 +17,7 @@ from torch.autograd import _profiler_enabled
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
-from lightning_remat.budget import format_bytes
+from lightning_remat.budget import format_bytes, with_room
 from lightning_remat.device import module_device
 from lightning_remat.errors import RematInfeasibleError, warn_caller
 from lightning_remat.graph.effects import preserved_state
@@ -46,24 +46,12 @@ from lightning_remat.solvers.policy import (
     solver_options,
 )
 
-__all__ = ["PROFILE_SLACK", "REFUSAL_SLACK", "STEP_REPLANS", "FirstStepCheck"]
+__all__ = ["STEP_REPLANS", "FirstStepCheck"]
 
 STEP_REPLANS = 2
 """How many times an input whose first planned step measured over its prediction is
 planned again, each new plan's step measured in turn, before a step still over its budget
 is refused (docs/design.md section 4.7)."""
-
-
-REFUSAL_SLACK = 0.01
-"""What the budget a measured refusal names holds beyond the smallest one that held here:
-the variation of a step's excess over its prediction between plans."""
-
-PROFILE_SLACK = REFUSAL_SLACK
-"""What the budget a solver's refusal names holds beyond the smallest one this profile
-plans at: given again, ``remat()`` profiles again, and the solvers that weigh time
-(Chen's greedy cuts, the time-centric DP's ties) can place their stages a little
-differently on another profile's times; on a 2-core CPU under load the smallest budget
-moved by up to 0.11% between profiles of one model (docs/limitations.md)."""
 
 
 class FirstStepCheck:
@@ -347,7 +335,7 @@ class FirstStepCheck:
             # Given that budget, a new planner runs its own first plan, and the margin it
             # raises is what that plan measured over: a step's excess varies between plans
             # by bytes to pages, so the budget named holds that variation too.
-            least = int(max(int(least), int(peak)) * (1 + REFUSAL_SLACK)) + 1
+            least = with_room(max(int(least), int(peak)))
         cause = planned.traced.coarse_cause() if planned.traced is not None else ""
         raise RematInfeasibleError(budget, least, measured_peak_bytes=peak, cause=cause)
 
