@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "moved_state", "precision_leaf",
-    "same_values", "shapes_of", "stored_key", "without_precision",
+    "InputKey", "autocast_state", "input_key", "is_precision", "key_changes", "masks_leaf", "moved_state",
+    "precision_leaf", "same_values", "shapes_of", "stored_key", "unpadded_masks", "without_precision",
 ]
 
 InputKey = tuple
@@ -33,6 +33,7 @@ value, with the forward's defaults filled in."""
 _TENSOR = "tensor"
 _PRECISION = "precision"
 _STRUCTURE = "structure"
+_MASKS = "unpadded attention masks"
 
 
 def input_key(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> InputKey:
@@ -109,7 +110,32 @@ def stored_key(key: InputKey) -> str:
     """The text a stored plan (a checkpoint's, the cache's basis) is filed under: the key
     less the guarded attribute values, which a fresh process learns only when it captures;
     the stored graph's hash, checked against the new capture's, tells the branches apart."""
-    return repr(tuple(leaf for leaf in key if not _is_state(leaf)))
+    return repr(tuple(leaf for leaf in key if not (_is_state(leaf) or _is_masks(leaf))))
+
+
+def unpadded_masks(args: tuple, kwargs: dict) -> frozenset[tuple[int, ...]]:
+    """The shapes of the call's attention masks (tensors passed as, or held in a container
+    under, a name ending in ``attention_mask``) that pad no token (every entry nonzero),
+    less the shapes of those that do: Hugging Face's forwards skip such a mask for sdpa's
+    own causal or full attention, a choice on its values that a capture on fake tensors
+    cannot make (:func:`lightning_remat.graph.export.as_plain_training`)."""
+    unpadded: set[tuple[int, ...]] = set()
+    padded: set[tuple[int, ...]] = set()
+    for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        name = next((str(entry.key) for entry in reversed(path) if isinstance(entry, pytree.MappingKey)), "")
+        if isinstance(leaf, torch.Tensor) and name.endswith("attention_mask") and leaf.dim() == 2:
+            (unpadded if bool(leaf.all()) else padded).add(tuple(leaf.shape))
+    return frozenset(unpadded - padded)
+
+
+def masks_leaf(args: tuple, kwargs: dict) -> Hashable:
+    """A key's leaf for a planner whose capture was specialised to attention masks that
+    pad no token (:func:`unpadded_masks`): a call with padding is planned on its own."""
+    return (_MASKS, tuple(sorted(unpadded_masks(args, kwargs))))
+
+
+def _is_masks(leaf: Hashable) -> bool:
+    return isinstance(leaf, tuple) and leaf[:1] == (_MASKS,)
 
 
 def _is_tensor(leaf: Hashable) -> bool:
@@ -132,7 +158,8 @@ def shapes_of(key: InputKey) -> list[list[int]]:
 
 def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
     """What differs between two input keys, by kind (``"shapes"``, ``"dtypes"``,
-    ``"precision"``, else ``"arguments"``: the non-tensor values or the structure), briefly."""
+    ``"precision"``, ``"masks"``, ``"state"``, else ``"arguments"``: the non-tensor values or
+    the structure), briefly."""
     tensors_old = [leaf[1:3] for leaf in old if _is_tensor(leaf)]
     tensors_new = [leaf[1:3] for leaf in new if _is_tensor(leaf)]
     changes = {}
@@ -147,6 +174,11 @@ def key_changes(old: InputKey, new: InputKey) -> dict[str, str]:
             return "/".join(leaves[0][1:]) if leaves else "unknown"
         changes["precision"] = (f"precision (autocast on cpu/cuda, parameters) {show(precision_old)} "
                                 f"-> {show(precision_new)}")
+    masks_old = [leaf for leaf in old if _is_masks(leaf)]
+    masks_new = [leaf for leaf in new if _is_masks(leaf)]
+    if masks_old and masks_new and masks_old != masks_new:
+        changes["masks"] = (f"attention masks padding no token: shapes {[list(s) for s in masks_old[0][1]]} -> "
+                            f"{[list(s) for s in masks_new[0][1]]}")
     moved = moved_state(old, new)
     if moved:
         changes["state"] = "the module's attributes its forward read when captured: " + ", ".join(

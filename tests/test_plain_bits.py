@@ -3,7 +3,8 @@ configs they ship (the cache on, sdpa attention, dropout as set): the loss and e
 gradient of every step ``torch.equal`` to plain PyTorch's through ``remat()``, and to plain
 Lightning's through ``Trainer(strategy=RematStrategy(...))``.
 
-The batch has no attention mask, as a causal LM is trained on unpadded sequences: plain
+The first tests' batches have no attention mask, as a causal LM is trained on unpadded
+sequences (the last gives masks, padding no token and padding some): plain
 training then passes no mask to sdpa (``is_causal``) and, for a grouped-query decoder, lets
 sdpa repeat the keys and values (``enable_gqa``). A capture that took the branches
 ``torch.export`` makes the model take (a materialised causal mask, keys and values repeated
@@ -148,3 +149,30 @@ def test_the_strategy_trains_a_decoder_with_its_default_config_to_the_bit_of_pla
         assert not apart, (step, apart)
     for (key, p), (_, q) in zip(planned.named_parameters(), plain.named_parameters()):
         assert torch.equal(p, q), key
+
+
+def test_attention_masks_are_taken_as_plain_training_takes_them() -> None:
+    """A batch with an attention mask that pads no token (packed sequences, or a batch of one
+    length): plain training reads its values and skips it for sdpa's ``is_causal``, so the
+    capture skips it too, and a later batch whose mask pads tokens is captured and planned
+    on its own, its mask applied. Every step to the bit of plain, alternating the two."""
+    torch.manual_seed(0)
+    model = decoder("llama").train()
+    plain = copy.deepcopy(model)
+    unpadded = torch.ones(2, LENGTH, dtype=torch.long)
+    padded = unpadded.clone()
+    padded[1, LENGTH // 2:] = 0
+    batches = [{"input_ids": ids(seed=s), "labels": ids(seed=s), "attention_mask": mask}
+               for s, mask in enumerate((unpadded, padded, unpadded))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache notice, the re-planning notice
+        planned = remat(model, batches[0], "100%", solver="chen", loss_fn=lambda out: out.loss)
+        for step, batch in enumerate(batches):
+            for module in (planned, plain):
+                torch.manual_seed(100 + step)
+                module(**batch).loss.backward()
+            assert not differing(model, plain), (step, differing(model, plain))
+            model.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
+    masks = sorted(leaf[1] for key in planned.variants for leaf in key
+                   if isinstance(leaf, tuple) and leaf[:1] == ("unpadded attention masks",))
+    assert masks == [(), ((2, LENGTH),)], masks  # one plan per kind of mask

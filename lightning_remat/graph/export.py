@@ -79,6 +79,9 @@ class ExportedGraph:
     plain_failure: str = ""
     """Empty where the forward was captured as plain training runs it; else why that capture
     failed (the graph then holds the branches the forward takes under ``torch.export``)."""
+    unpadded: bool = False
+    """The graph skips Hugging Face's attention masks, which pad no token on the example (as
+    plain training skips them on their values): it holds for calls whose masks pad none."""
 
 
 @dataclass
@@ -89,10 +92,13 @@ class PlainReads:
     """The forward's own code asked ``torch.compiler.is_exporting()`` (and was told False)."""
     caches: bool = False
     """A cache the planner's calls turn off was on (:func:`~lightning_remat.graph.calls.caches_as_configured`)."""
+    unpadded: bool = False
+    """Hugging Face's masks were skipped on the example's values (an attention mask that pads
+    no token), as plain training skips them: the graph is specialised to such masks."""
 
     @property
     def changed(self) -> bool:
-        return self.exporting or self.caches
+        return self.exporting or self.caches or self.unpadded
 
 
 def _torchs_own(frame_globals: dict[str, Any]) -> bool:
@@ -100,15 +106,53 @@ def _torchs_own(frame_globals: dict[str, Any]) -> bool:
     return name == "torch" or name.startswith("torch.")
 
 
+_MASK_SKIPS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+"""Hugging Face's tests (``transformers.masking_utils``) of whether sdpa can run without a
+materialised mask: on a mask's values, which they do not read on fake tensors."""
+
+
 @contextlib.contextmanager
-def as_plain_training(module: nn.Module) -> Iterator[PlainReads]:
+def _masks_read_as_plain(unpadded: frozenset[tuple[int, ...]], reads: PlainReads) -> Iterator[None]:
+    """Inside, Hugging Face's mask-skipping tests answer for a traced padding mask of a shape
+    in ``unpadded`` (the example's masks that pad no token) as plain training answers for
+    the example's values: as for no mask at all."""
+    masking = sys.modules.get("transformers.masking_utils")
+    originals = {name: getattr(masking, name, None) for name in _MASK_SKIPS} if unpadded and masking else {}
+
+    def reading(original: Any) -> Any:
+        @functools.wraps(original)
+        def skip(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+            # A real tensor is read by the test itself; export's (fake, functional) are not.
+            if (isinstance(padding_mask, torch.Tensor) and type(padding_mask) is not torch.Tensor
+                    and tuple(padding_mask.shape) in unpadded):
+                reads.unpadded = True
+                return original(None, *args, **kwargs)
+            return original(padding_mask, *args, **kwargs)
+        return skip
+
+    try:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(masking, name, reading(original))
+        yield
+    finally:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(masking, name, original)
+
+
+@contextlib.contextmanager
+def as_plain_training(module: nn.Module,
+                      unpadded: frozenset[tuple[int, ...]] = frozenset()) -> Iterator[PlainReads]:
     """Inside, ``module``'s forward takes the branches it takes in plain training while
     ``torch.export`` runs it: code outside torch reads ``torch.compiler.is_exporting()`` as
     False (Hugging Face's masks then skip the causal mask for sdpa's ``is_causal`` where no
     token is padded, a choice made on shapes alone, which the graph is specialised to
     anyway); a Hugging Face cache the planner's calls turn off reads as the config sets it,
     and the forward's output holds None in its place (a training step never reads it). The
-    module's ``forward`` and the flag are as they were after."""
+    module's ``forward`` and the flag are as they were after. ``unpadded``: the shapes of
+    the example's attention masks that pad no token (:func:`~lightning_remat.inputs.unpadded_masks`),
+    whose masks Hugging Face's code then skips as plain training does on their values."""
     reads = PlainReads()
     flag = torch.compiler.is_exporting
 
@@ -126,7 +170,7 @@ def as_plain_training(module: nn.Module) -> Iterator[PlainReads]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return without_caches(own(*args, **kwargs))
 
-    with caches_as_configured() as reads.caches:
+    with caches_as_configured() as reads.caches, _masks_read_as_plain(unpadded, reads):
         torch.compiler.is_exporting = is_exporting  # type: ignore[assignment]
         module.forward = forward  # type: ignore[method-assign]
         try:
@@ -177,16 +221,18 @@ def _plain_meta(node: fx.Node) -> dict[str, Any]:
     return {"nn_module_stack": entries}
 
 
-def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedGraph:
+def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+                        unpadded: frozenset[tuple[int, ...]] = frozenset()) -> ExportedGraph:
     """``module``'s forward on ``(inputs, kwargs)`` captured with non-strict ``torch.export``
     and turned into a GraphModule over ``module``'s own parameters and buffers (see the
     module docstring). Raises what ``torch.export`` raises when it cannot capture the
     forward, and ``NotImplementedError`` for a program this form cannot hold (custom
-    objects, effect tokens, outputs that mutate inputs)."""
+    objects, effect tokens, outputs that mutate inputs). ``unpadded``: as for
+    :func:`as_plain_training`."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     plain_failure = ""
-    with opaque_functions() as functions, as_plain_training(module) as reads:
+    with opaque_functions() as functions, as_plain_training(module, unpadded) as reads:
         try:
             program = torch.export.export(module, inputs, kwargs, strict=False)
         except Exception as exc:  # export raises many kinds (guards on data, unsupported ops)
@@ -251,4 +297,5 @@ def export_graph_module(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
         env[node] = copied
     graph.set_codegen(StructuredOutput(out_spec))
     gm = fx.GraphModule(holder, graph, type(module).__name__)
-    return ExportedGraph(gm=gm, argument_names=names, output_spec=out_spec, plain_failure=plain_failure[:300])
+    return ExportedGraph(gm=gm, argument_names=names, output_spec=out_spec, plain_failure=plain_failure[:300],
+                         unpadded=reads.unpadded and not plain_failure)

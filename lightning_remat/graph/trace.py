@@ -73,6 +73,7 @@ from lightning_remat.graph.vertices import (
     local_bytes,
     readers_follow_inplace,
 )
+from lightning_remat.inputs import unpadded_masks
 
 __all__ = [
     "CHILDREN", "EXPORT", "Traced", "as_tuple", "default_loss", "loop_loss", "trace_module",
@@ -136,6 +137,10 @@ class Traced:
     """The pytree structure of the module's own output on the example call. fx records an
     ``OrderedDict`` or a ``defaultdict`` it returns as a plain dict; an exported graph
     returns the output's flat leaves, which this structure rebuilds."""
+    unpadded: bool = False
+    """The export capture skips Hugging Face's attention masks as plain training skips them
+    on the example's values (none pads a token): the planner plans a call whose masks pad
+    tokens on its own (:func:`~lightning_remat.inputs.masks_leaf`)."""
     state_reads: list[StateRead] = field(default_factory=list)
     """The plain Python values the forward read from the module's attributes, which a
     captured graph is specialised to (:mod:`lightning_remat.graph.meaning`): the planner
@@ -326,13 +331,24 @@ def _trace_fx(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _trace_export(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
-                  devices: list[torch.device]) -> Traced:
-    """The forward captured by non-strict ``torch.export`` (:mod:`lightning_remat.graph.export`)."""
+                  devices: list[torch.device], unpadded: frozenset[tuple[int, ...]] | None = None) -> Traced:
+    """The forward captured by non-strict ``torch.export`` (:mod:`lightning_remat.graph.export`),
+    the example's attention masks that pad no token skipped as plain training skips them
+    (``unpadded``: their shapes; None: found in the call, :func:`~lightning_remat.inputs.unpadded_masks`)."""
+    unpadded = unpadded_masks(inputs, kwargs) if unpadded is None else unpadded
     with preserved_state(module, devices):
-        exported = export_graph_module(module, inputs, kwargs)
+        exported = export_graph_module(module, inputs, kwargs, unpadded)
     traced = Traced(gm=exported.gm, graph=Graph([], []), kind=EXPORT, output_spec=exported.output_spec,
-                    export_branches=exported.plain_failure, _signature_names=exported.argument_names)
-    return _checked(module, traced, inputs, kwargs, devices)
+                    export_branches=exported.plain_failure, _signature_names=exported.argument_names,
+                    unpadded=exported.unpadded)
+    try:
+        return _checked(module, traced, inputs, kwargs, devices)
+    except RuntimeError:
+        if not traced.unpadded:
+            raise
+    # A mask of an unpadded shape was not the example's own (the forward padded one itself):
+    # the masks as torch.export takes them, for every call.
+    return _trace_export(module, inputs, kwargs, devices, frozenset())
 
 
 def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs: dict[str, Any],

@@ -69,6 +69,7 @@ from lightning_remat.inputs import (
     autocast_state,
     input_key,
     key_changes,
+    masks_leaf,
     moved_state,
     precision_leaf,
     same_values,
@@ -268,8 +269,11 @@ class Planner(FirstStepCheck, StoredPlans):
         (:func:`~lightning_remat.inputs.precision_leaf`), and, once a capture read plain Python
         values from the module's attributes, their values now (the guards a captured graph
         needs: a call where one differs is captured and planned again, as Dynamo recompiles;
-        docs/design.md section 3)."""
+        docs/design.md section 3), and once a capture skipped attention masks that padded no
+        token, which of the call's masks pad none (:func:`~lightning_remat.inputs.masks_leaf`)."""
         inputs = input_key(self._signature, args, kwargs)
+        if getattr(self, "_masks_guarded", False):
+            inputs = (masks_leaf(args, kwargs), *inputs)
         guards = getattr(self, "_guards", None)
         if guards:
             return (precision_leaf(self.module), ("state", guards[0], read_state(guards[1])), *inputs)
@@ -280,6 +284,8 @@ class Planner(FirstStepCheck, StoredPlans):
         nothing from now on)."""
         if traced is None or not hasattr(self, "_guarded"):
             self._guarded: dict[tuple[str, str], StateRead] = {}
+        if traced is not None and traced.unpadded:
+            self._masks_guarded = True  # from now on, calls with padded masks are new inputs
         for read in traced.state_reads if traced is not None else ():
             self._guarded.setdefault((read.module, read.attribute), read)
         reads = list(self._guarded.values())
