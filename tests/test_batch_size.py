@@ -830,3 +830,25 @@ def test_a_trial_measures_what_the_fit_step_holds_on_a_model_that_trained_before
     # The trial's step is the first at its size; the fit's later steps may hold less (the
     # plain fit's second step measured less than its first), not more.
     assert trained <= trial.peak_bytes <= budget
+
+
+def test_a_fit_with_the_search_draws_the_random_numbers_a_fit_without_it_draws(tmp_path):
+    """The search trains nothing, randomness included: the first step of a fit that searched
+    sees torch's generator as the same fit at that size without the search does (its
+    dropout masks, a shuffled loader's order)."""
+    seen = []
+
+    class Generator(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(torch.get_rng_state())
+
+    finder = RematBatchSizeFinder(memory_budget="2MiB", solver="plain", init_val=2, max_val=16,
+                                  steps_per_trial=1, progress_bar=False)
+    torch.manual_seed(0)
+    searched = SizedConvNet(batch_size=2)
+    small_trainer(tmp_path / "search", max_steps=1, callbacks=[finder, Generator()]).fit(searched)
+    torch.manual_seed(0)
+    plain = SizedConvNet(batch_size=searched.batch_size)
+    small_trainer(tmp_path / "plain", max_steps=1, callbacks=[Generator()]).fit(plain)
+    assert searched.batch_size != 2  # the search ran and changed the size
+    assert torch.equal(seen[0], seen[1])
