@@ -763,3 +763,92 @@ def test_the_shape_family_of_a_decoder_with_its_cache_on_is_captured_op_by_op(tm
     assert captured["vertices"] > 50  # op by op, not the fallback's few submodules
     assert captured["result"].feasible
     assert captured["use_cache"] is True  # the user's config as it was
+
+
+class MeteredConvNet(SizedConvNet):
+    """Each fit step's forward and backward (Lightning's closure) measured with the search's
+    meter while ``peaks`` is a list; ``skip`` steps unmeasured first (a planning step)."""
+
+    peaks: list[int] | None = None
+    skip = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.peaks is None or self.skip > 0:
+            self.skip -= self.peaks is not None
+            return super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        from lightning_remat.measure.peak import peak_bytes
+
+        def metered():
+            out = [None]
+
+            def step():
+                out[0] = optimizer_closure()
+
+            self.peaks.append(peak_bytes(step))
+            return out[0]
+
+        optimizer.step(closure=metered)
+
+
+def _fit_peak(model, root, strategy, batch_size, skip=0):
+    """The highest measured step of a two-step fit at ``batch_size`` (after ``skip``)."""
+    model.batch_size, model.peaks, model.skip = batch_size, [], skip
+    try:
+        small_trainer(root, max_steps=2 + skip, strategy=strategy).fit(model)
+    finally:
+        peaks, model.peaks = model.peaks, None
+    return max(peaks)
+
+
+def test_a_trial_measures_what_the_fit_step_holds_on_a_model_that_trained_before(tmp_path):
+    """On a model that trained before (its gradients left from the last step), a trial's
+    measured peak is the fit step's to the byte, so the search's answer trains within the
+    budget: Lightning's step frees the old gradients before its backward and allocates its
+    own, which a trial that accumulated into the old ones neither planned for nor measured."""
+    from lightning_remat import RematStrategy
+
+    torch.manual_seed(0)
+    model = MeteredConvNet(batch_size=4, channels=8, image=16, samples=96)
+    budget = _fit_peak(model, tmp_path / "plain", "auto", 4)  # plain training fits exactly 4
+    assert all(p.grad is not None for p in model.parameters())  # left by the fit's last step
+    report = find_max_batch_size(
+        small_trainer(tmp_path / "search", max_epochs=1, strategy=RematStrategy(memory_budget=budget)),
+        model, init_val=4, max_val=24, steps_per_trial=1, progress_bar=False)
+    assert all(p.grad is not None for p in model.parameters())  # the search left them as they were
+    plain, remat = report.plain, report.remat
+    assert plain.largest_feasible == 4
+    (at_b,) = [r for r in plain.trials if r.batch_size == 4]
+    assert at_b.peak_bytes == budget
+    answer = remat.largest_feasible
+    assert answer is not None and answer >= 4
+    trained = _fit_peak(model, tmp_path / "search", RematStrategy(memory_budget=budget), answer, skip=1)
+    (trial,) = [r for r in remat.trials if r.batch_size == answer] or [at_b]
+    # The trial's step is the first at its size; the fit's later steps may hold less (the
+    # plain fit's second step measured less than its first), not more.
+    assert trained <= trial.peak_bytes <= budget
+
+
+def test_a_fit_with_the_search_draws_the_random_numbers_a_fit_without_it_draws(tmp_path):
+    """The search trains nothing, randomness included: the first step of a fit that searched
+    sees torch's generator as the same fit at that size without the search does (its
+    dropout masks, a shuffled loader's order)."""
+    seen = []
+
+    class Generator(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(torch.get_rng_state())
+
+    finder = RematBatchSizeFinder(memory_budget="2MiB", solver="plain", init_val=2, max_val=16,
+                                  steps_per_trial=1, progress_bar=False)
+    torch.manual_seed(0)
+    searched = SizedConvNet(batch_size=2)
+    small_trainer(tmp_path / "search", max_steps=1, callbacks=[finder, Generator()]).fit(searched)
+    torch.manual_seed(0)
+    plain = SizedConvNet(batch_size=searched.batch_size)
+    small_trainer(tmp_path / "plain", max_steps=1, callbacks=[Generator()]).fit(plain)
+    assert searched.batch_size != 2  # the search ran and changed the size
+    assert torch.equal(seen[0], seen[1])

@@ -355,6 +355,11 @@ class RematBatchSizeFinder(Callback):
             bar.disable()
         settled = contextlib.ExitStack()
         settled.enter_context(collector_settled())  # the CPU meter collects before every step
+        # The search trains nothing, randomness included: the batches it reads outside its
+        # trials (a DataLoader's iterator draws its seed from torch's generator) left the fit
+        # other dropout masks than the same fit without the search.
+        device = settings.device
+        settled.enter_context(torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []))
         try:
             sample_shape = ""
             with contextlib.suppress(Exception):  # the name is only a label; never fail on it

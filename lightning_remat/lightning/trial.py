@@ -42,6 +42,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loops.optimization.automatic import ClosureResult
 from pytorch_lightning.utilities.parsing import lightning_setattr
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -414,11 +415,16 @@ class LightningTrial:
 
         def forward_backward(optimizer: Any) -> torch.Tensor | None:
             out = strategy.training_step(batch, 0)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if not model.automatic_optimization or loss is None:
+            if not model.automatic_optimization:
                 return None  # manual: training_step ran its own backward and step
-            strategy.backward(loss, getattr(optimizer, "optimizer", optimizer))  # the torch one
-            return loss.detach()
+            # Lightning's own result of the step, as its closure holds it through the
+            # backward: the loss divided by the batches accumulated, and a detached copy.
+            result = ClosureResult.from_training_step_output(out, self.trainer.accumulate_grad_batches)
+            del out  # Lightning keeps only the result
+            if result.closure_loss is None:
+                return None
+            strategy.backward(result.closure_loss, getattr(optimizer, "optimizer", optimizer))  # the torch one
+            return result.loss
 
         def closure(optimizer: Any = None) -> torch.Tensor | None:
             if measured is None:
@@ -454,6 +460,12 @@ class LightningTrial:
             _strategy_planning_paused(trainer.strategy), _resharded_after_error(model),
         ):
             model.train()
+            # From no gradients, as a fit's first step at this size has them (and every step
+            # under Lightning's default zero_grad, which frees them before the backward): ones
+            # left from earlier training would be accumulated into, and neither the plan
+            # (``grads_resident``) nor the meter would count the step's own (restored after).
+            for p in model.parameters():
+                p.grad = None
             batch = self.batch(batch_size)
             self._size = batch_size
             self._loss = self.loss_fn(batch)
