@@ -17,7 +17,11 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
 - **kept**: a recomputed stage's boundary values (Kusumoto et al.'s ``B(Li)``) and the model
   outputs it makes, kept from the forward and not run again, except random ops (a kept
   random op draws nothing in the recomputation, which would shift the stage's later draws)
-  and in-place ops left in place (their result is the tensor they modified). Keeping costs
+  and in-place ops left in place (their result is the tensor they modified), and values
+  that live in another value's storage (views, and ops that returned their input: a dropout
+  of probability 0, a cast to the dtype it has), whose op makes no tensor of its own for the
+  policy to save: they are run again (a view of what the recomputation makes) and hold
+  nothing from the forward. Keeping costs
   the executor a selective-checkpoint policy that every op of the stage passes through, in
   the forward and in the recomputation; a stage where plain checkpoint's early stop already
   runs none of its boundary again (each boundary value lies after the stage's last saving
@@ -94,6 +98,10 @@ class ScheduleParts:
     """Saving vertices whose op saves only values it reads (predecessors' storages, step
     inputs), nothing it makes: saved before it computes. Where the profile does not say
     (no ``saved_refs``), none."""
+    aliases: frozenset[str] = frozenset()
+    """Vertices whose output lives in another vertex's storage, as the profile names them
+    (``meta.aliases``: views, in-place results, and ops that returned their input, such as a
+    dropout of probability 0 or a cast to the dtype it has)."""
 
     @classmethod
     def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
@@ -120,7 +128,7 @@ class ScheduleParts:
         return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
                    frozenset(outputs), frozenset(meta.input_consumers or ()),
                    position, saving, meta.random is not None, sharing,
-                   _saves_inputs_only(graph, saving))
+                   _saves_inputs_only(graph, saving), frozenset(meta.aliases or ()))
 
 
 @dataclass(frozen=True)
@@ -273,7 +281,8 @@ def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: 
         v for v in vertices
         if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
         and v not in parts.random
-        and (v in rewritten or v not in parts.inplace))
+        and (v in rewritten or v not in parts.inplace)
+        and (v in parts.inplace or v not in parts.aliases))
 
 
 def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:

@@ -198,7 +198,8 @@ class StepSimulation(VertexFacts):
         # A recomputed stage's kept boundary values: the storage each holds, until its
         # recomputation hands them on.
         self.kept_held: dict[str, object] = {}
-        self.frame_kept: list[object] = []  # kept values a running recomputation handed on
+        self.frame_kept: list[object] = []  # values a running recomputation's frame holds
+        self.frame_returns: set[str] = set()  # the values it returns that it runs again
         self.kept_bytes = [0] * len(self.stages)  # what each stage adds to the cache
         # Per vertex: gradients (of values and parameters) and transients at its backward's
         # peak; the same under every plan (the backward runs in one order).
@@ -431,6 +432,12 @@ class StepSimulation(VertexFacts):
         for v in kept:
             if base[v] != v and base[v] in rkey and base[v] not in kept:
                 kept_aliases.setdefault(base[v], set()).add(v)
+        # The values the stage's program returns (read by later stages, or model outputs)
+        # that run again: the recomputation's frame holds each until it ends, as it holds
+        # the kept ones it hands on (its early stop raises before the program returns).
+        outputs = self.shared.outputs
+        self.frame_returns = {v for v in self.schedule.stages[k].reached
+                              if v not in kept and (v in outputs or any(stage_of[w] != k for w in self.succ[v]))}
         fork = ("rng_fork", k)
         stash = self.shared.rng_state_bytes if self.schedule.stages[k].draws_random else 0
         if stash:
@@ -499,6 +506,9 @@ class StepSimulation(VertexFacts):
                     self.held[saver].append(mine)
         self._save_for_backward(
             v, [saved_key[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
+        if v in self.frame_returns:
+            mem.hold(mine)
+            self.frame_kept.append(mine)
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
             bu = base[u]
