@@ -416,10 +416,8 @@ def test_the_sets_left_out_of_the_approximate_family_lose_nothing(profile):
     vertices) and of values an in-place op overwrites (the U-Net's BatchNorms before their
     in-place ReLUs). On the benchmarks' GPT and U-Net, profiled on a CPU at batch 8
     (tests/data), with the simulator's stage costs: the smallest budget is that of the
-    whole n + 2 family on the U-Net, within 3% of it on the GPT (a stage ending at a view
-    keeps nothing of it, where one ending at its base keeps the base), and no time-centric
-    plan is slower, within the DP's time resolution (times are bucketed by T / time_steps,
-    one bucket per stage)."""
+    whole n + 2 family, and no time-centric plan is slower, within the DP's time
+    resolution (times are bucketed by T / time_steps, one bucket per stage)."""
     from lightning_remat.solvers import kusumoto
     from lightning_remat.solvers.kusumoto.bits import ancestor_sets, approximate_sets, graph_bits
     from lightning_remat.solvers.policy import plain_peak_bytes
@@ -429,10 +427,7 @@ def test_the_sets_left_out_of_the_approximate_family_lose_nothing(profile):
     whole = kusumoto.LowerSetFamily(bits, ancestor_sets(bits), simulated=True)
     pruned = kusumoto.LowerSetFamily(bits, approximate_sets(bits), simulated=True)
     assert pruned.size < 0.8 * whole.size
-    least, pruned_least = whole.min_budget(), pruned.min_budget()
-    assert least <= pruned_least <= 1.03 * least, (least, pruned_least)
-    if profile.startswith("unet"):
-        assert pruned_least == least
+    assert pruned.min_budget() == whole.min_budget()
     plain = plain_peak_bytes(graph)
     for fraction in (0.4, 0.6, 0.9):
         times, stages = [], []

@@ -227,8 +227,9 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
                   parts: ScheduleParts | None = None, keep_boundaries: bool = False) -> Schedule:
     """``plan`` compiled for ``graph`` (``parts``: :meth:`ScheduleParts.of` the graph,
     shared between many plans). ``keep_boundaries``: every recomputed stage keeps its
-    boundary, even where plain checkpoint would run none of it again (the stage-cost fold
-    of ``solvers.stage_costs`` counts each boundary in the cache)."""
+    boundary, even where plain checkpoint would run none of it again, views and values that
+    returned their input included (the stage-cost fold of ``solvers.stage_costs`` counts
+    each boundary in the cache, an upper bound on what the executor holds)."""
     parts = parts if parts is not None else ScheduleParts.of(graph)
     position = parts.position
     unknown = [v for s in plan.stages for v in s.nodes if v not in position]
@@ -260,7 +261,8 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             stages.append(StageSchedule(actions[k], vertices,
                                         rewritten=frozenset(v for v in vertices if v in rewritten)))
             continue
-        kept = frozenset() if k in plain else _boundary(parts, stage_of, k, vertices, rewritten)
+        kept = frozenset() if k in plain else _boundary(parts, stage_of, k, vertices, rewritten,
+                                                        keep_boundaries)
         reached = _reached(parts, vertices)
         runs_again = bool(reached)
         packed_only = (reached[-1] if reached and reached[-1] not in kept
@@ -274,15 +276,18 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
 
 
 def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: tuple[str, ...],
-              rewritten: set[str]) -> frozenset[str]:
+              rewritten: set[str], aliases: bool = False) -> frozenset[str]:
     """The values recomputed stage ``k`` keeps under the selective policy (the module
-    docstring's **kept**)."""
+    docstring's **kept**). ``aliases``: values living in another's storage count as kept
+    too (the stage-cost fold's upper bound: a later recomputed stage holds such a value
+    as its input until its backward, which the fold's cache must count; kept, the storage
+    is held until this stage's recomputation, no shorter)."""
     return frozenset(
         v for v in vertices
         if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
         and v not in parts.random
         and (v in rewritten or v not in parts.inplace)
-        and (v in parts.inplace or v not in parts.aliases))
+        and (aliases or v in parts.inplace or v not in parts.aliases))
 
 
 def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:

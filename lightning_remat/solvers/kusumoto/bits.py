@@ -115,13 +115,10 @@ def approximate_sets(bits: GraphBits, simulated: bool = True) -> list[int]:
     """The approximate family less two kinds of ancestor sets that other members dominate
     (docs/design.md section 4.4), which cuts the pairs the DP simulates:
 
-    - a view's: it allocates nothing and runs in next to no time (a transformer is about
-      half views: reshapes, transposes, a split's parts). A stage that ends just after one
-      keeps nothing of it (the selective policy has no op of the view's to save: its base
-      runs again, ``Schedule.kept``), where a stage ending at its base keeps the base: the
-      view's set can reach a smaller budget, for more recomputation, and leaving it out
-      trades that for half the pairs (on the benchmarks' GPT, 2% of the smallest budget:
-      tests/test_kusumoto.py);
+    - a view's: it allocates nothing and runs in next to no time, so a stage that ends just
+      after one keeps the storage a stage ending at its base keeps, for the same
+      recomputation (a transformer is about half views: reshapes, transposes, a split's
+      parts);
     - that of a vertex whose only reader overwrites it in place (a BatchNorm before an
       in-place ReLU): a stage ending there keeps its storage and makes the reader, now in
       the next stage, run out of place in a storage of its own (``Schedule.
