@@ -50,12 +50,15 @@ backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoin
 selective policy that keeps its boundary (docs/design.md section 5): in the forward its ops
 save nothing (its internal values die when forward-dead, their extra saved bytes exist only
 during the op) except its kept boundary values (the schedule's ``kept``: the values later
-stages or the output read, less random and unrewritten in-place ops), which stay with their
-ops' extra saved bytes until the recomputation; it keeps its inputs (values of earlier
-stages it reads) until its backward has finished. When its backward starts, the rest of its
-forward runs again (phase ``recompute``, the schedule's ``recomputed``: values and saved
-blocks allocated, values nobody saved freed when dead), the kept values are handed on to
-the recomputed ops that read them, and then it is back-propagated. In-place ops the
+stages or the output read, less random and unrewritten in-place ops and values that live in
+another's storage, views and ops that returned their input, which the policy has no op of
+to save), which stay with their ops' extra saved bytes until the recomputation; it keeps its
+inputs (values of earlier stages it reads) until its backward has finished. When its
+backward starts, the rest of its forward runs again (phase ``recompute``, the schedule's
+``recomputed``: values and saved blocks allocated, values nobody saved freed when dead, but
+a value the stage returns, read by a later stage, held by the recomputation's frame until it
+ends, as the stage's program returns it), the kept values are handed on to the recomputed
+ops that read them, and then it is back-propagated. In-place ops the
 executor rewrites (the schedule's ``rewritten``) own their storage. ``whole_stages=True``
 models the tracing fallback instead, which runs a recomputed stage again whole.
 
