@@ -322,23 +322,18 @@ def test_a_reader_of_only_the_shape_keeps_nothing_alive():
     assert forward_live(plain_edges) == [100, 110, 1]
 
 
-def _attention_like(with_dropout: bool) -> Graph:
-    """a -> t (boundary) -> b -> s (a softmax) [-> drop, a dropout of probability 0 that
-    returned s] -> c, which saves what it reads; t is read by c's stage too."""
+def _attention_like() -> Graph:
+    """a -> t (boundary) -> b -> s (a softmax) -> drop (a dropout of probability 0 that
+    returned s) -> c, which saves what it reads; t is read by c's stage too."""
     nodes = [Node("a", "linear", mem=10, saved=0), Node("t", "tanh", mem=10, saved=10),
              Node("b", "linear", mem=10, saved=10), Node("s", "softmax", mem=10, saved=10),
-             Node("c", "linear", mem=10, saved=20), Node("out", "add", mem=10)]
-    edges = [("a", "t"), ("t", "b"), ("b", "s"), ("s", "c"), ("c", "out"), ("t", "out")]
-    saved_refs = {"t": ["t"], "b": ["t"], "s": ["s"], "c": ["s"]}
-    aliases = {}
-    if with_dropout:
-        nodes.insert(4, Node("drop", "dropout", mem=10))
-        edges = [e for e in edges if e != ("s", "c")] + [("s", "drop"), ("drop", "c")]
-        saved_refs["c"] = ["s"]  # the profile names a storage by its first owner
-        aliases = {"drop": "s"}
-    # As the tracer records them: the dropout draws nothing and writes nothing in place.
-    meta = {"saved_refs": saved_refs, "aliases": aliases, "outputs": ["out"],
-            "param_bytes": {"a": 1, "b": 1, "c": 1}, "random": [], "inplace": {}}
+             Node("drop", "dropout", mem=10), Node("c", "linear", mem=10, saved=20),
+             Node("out", "add", mem=10)]
+    edges = [("a", "t"), ("t", "b"), ("b", "s"), ("s", "drop"), ("drop", "c"), ("c", "out"), ("t", "out")]
+    # The profile names a storage by its first owner (c saves s); as the tracer records
+    # them, the dropout draws nothing and writes nothing in place.
+    meta = {"saved_refs": {"t": ["t"], "b": ["t"], "s": ["s"], "c": ["s"]}, "aliases": {"drop": "s"},
+            "outputs": ["out"], "param_bytes": {"a": 1, "b": 1, "c": 1}, "random": [], "inplace": {}}
     return Graph(nodes, edges, meta)
 
 
@@ -350,7 +345,7 @@ def test_a_boundary_value_that_returned_its_input_is_not_kept():
     peak 61.)"""
     from lightning_remat.solvers.schedule import make_schedule
 
-    graph = _attention_like(True)
+    graph = _attention_like()
     plan = make_plan(graph, [(graph.ids[:-2], "recompute"), (graph.ids[-2:], "keep")], "t")
     assert make_schedule(graph, plan).kept == [{"t"}, set()]
     t = simulate(graph, plan)
@@ -376,7 +371,7 @@ def test_a_stages_cost_does_not_depend_on_how_the_stages_before_it_cut_an_alias(
     above the step's peak."""
     from lightning_remat.solvers.stage_costs import stage_costs
 
-    graph = _attention_like(True)
+    graph = _attention_like()
     ids = graph.ids
     whole = make_plan(graph, [(ids[:6], "recompute"), (ids[6:], "keep")], "t")
     cut = make_plan(graph, [(ids[:5], "recompute"), (ids[5:6], "recompute"), (ids[6:], "keep")], "t")
