@@ -12,7 +12,7 @@ Kusumoto DPs decline a graph with more lower sets than their ``max_lower_sets`` 
 Such graphs made the simulator raise ``KeyError`` where a recomputed stage kept a view of
 a value it recomputes (a ViT's ``norm_pre``, an Identity, over the recomputed position
 embedding's ``add``): the ``LayerNorm`` reading the view saved the recomputed copy, already
-freed.
+freed. (A view is no longer kept: the policy has no op of it to save.)
 """
 
 from __future__ import annotations
@@ -155,7 +155,10 @@ def test_a_kept_view_of_a_recomputed_value_is_what_its_reader_saves() -> None:
         "param_bytes": {"norm": 64, "fc": 1024}, "outputs": ["out"],
         "bandwidth_bytes_per_s": BANDWIDTH_BYTES_PER_S})
     plan = make_plan(graph, [Stage(graph.ids[:6], "recompute"), Stage(["out"], "keep")], "test")
-    assert make_schedule(graph, plan).stages[0].kept == {"ident", "fc"}
+    # ident, a view, is made again over the recomputed add, not kept; fc, the last saving op,
+    # only packs its input, so the stage runs under plain checkpoint.
+    assert make_schedule(graph, plan).stages[0].kept == set()
+    assert make_schedule(graph, plan, keep_boundaries=True).stages[0].kept == {"ident", "fc"}
     recomputed = [e.node for e in simulate(graph, plan).events if e.phase == "recompute"]
     assert recomputed == graph.ids[:6]
     for solver in sorted(SOLVERS):

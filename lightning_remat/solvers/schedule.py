@@ -17,7 +17,11 @@ op by op is decided here, once, on the vertex graph (docs/design.md section 5):
 - **kept**: a recomputed stage's boundary values (Kusumoto et al.'s ``B(Li)``) and the model
   outputs it makes, kept from the forward and not run again, except random ops (a kept
   random op draws nothing in the recomputation, which would shift the stage's later draws)
-  and in-place ops left in place (their result is the tensor they modified). Keeping costs
+  and in-place ops left in place (their result is the tensor they modified), and values
+  that live in another value's storage (views, and ops that returned their input: a dropout
+  of probability 0, a cast to the dtype it has), whose op makes no tensor of its own for the
+  policy to save: they are run again (a view of what the recomputation makes) and hold
+  nothing from the forward. Keeping costs
   the executor a selective-checkpoint policy that every op of the stage passes through, in
   the forward and in the recomputation; a stage where plain checkpoint's early stop already
   runs none of its boundary again (each boundary value lies after the stage's last saving
@@ -94,6 +98,10 @@ class ScheduleParts:
     """Saving vertices whose op saves only values it reads (predecessors' storages, step
     inputs), nothing it makes: saved before it computes. Where the profile does not say
     (no ``saved_refs``), none."""
+    aliases: frozenset[str] = frozenset()
+    """Vertices whose output lives in another vertex's storage, as the profile names them
+    (``meta.aliases``: views, in-place results, and ops that returned their input, such as a
+    dropout of probability 0 or a cast to the dtype it has)."""
 
     @classmethod
     def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
@@ -120,7 +128,7 @@ class ScheduleParts:
         return cls(succ, inplace_operands(graph), frozenset(random_vertices(graph)),
                    frozenset(outputs), frozenset(meta.input_consumers or ()),
                    position, saving, meta.random is not None, sharing,
-                   _saves_inputs_only(graph, saving))
+                   _saves_inputs_only(graph, saving), frozenset(meta.aliases or ()))
 
 
 @dataclass(frozen=True)
@@ -219,8 +227,9 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
                   parts: ScheduleParts | None = None, keep_boundaries: bool = False) -> Schedule:
     """``plan`` compiled for ``graph`` (``parts``: :meth:`ScheduleParts.of` the graph,
     shared between many plans). ``keep_boundaries``: every recomputed stage keeps its
-    boundary, even where plain checkpoint would run none of it again (the stage-cost fold
-    of ``solvers.stage_costs`` counts each boundary in the cache)."""
+    boundary, even where plain checkpoint would run none of it again, views and values that
+    returned their input included (the stage-cost fold of ``solvers.stage_costs`` counts
+    each boundary in the cache, an upper bound on what the executor holds)."""
     parts = parts if parts is not None else ScheduleParts.of(graph)
     position = parts.position
     unknown = [v for s in plan.stages for v in s.nodes if v not in position]
@@ -252,7 +261,8 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
             stages.append(StageSchedule(actions[k], vertices,
                                         rewritten=frozenset(v for v in vertices if v in rewritten)))
             continue
-        kept = frozenset() if k in plain else _boundary(parts, stage_of, k, vertices, rewritten)
+        kept = frozenset() if k in plain else _boundary(parts, stage_of, k, vertices, rewritten,
+                                                        keep_boundaries)
         reached = _reached(parts, vertices)
         runs_again = bool(reached)
         packed_only = (reached[-1] if reached and reached[-1] not in kept
@@ -266,14 +276,18 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
 
 
 def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: tuple[str, ...],
-              rewritten: set[str]) -> frozenset[str]:
+              rewritten: set[str], aliases: bool = False) -> frozenset[str]:
     """The values recomputed stage ``k`` keeps under the selective policy (the module
-    docstring's **kept**)."""
+    docstring's **kept**). ``aliases``: values living in another's storage count as kept
+    too (the stage-cost fold's upper bound: a later recomputed stage holds such a value
+    as its input until its backward, which the fold's cache must count; kept, the storage
+    is held until this stage's recomputation, no shorter)."""
     return frozenset(
         v for v in vertices
         if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
         and v not in parts.random
-        and (v in rewritten or v not in parts.inplace))
+        and (v in rewritten or v not in parts.inplace)
+        and (aliases or v in parts.inplace or v not in parts.aliases))
 
 
 def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:

@@ -50,12 +50,15 @@ backward. A ``recompute`` stage runs under non-reentrant ``torch.utils.checkpoin
 selective policy that keeps its boundary (docs/design.md section 5): in the forward its ops
 save nothing (its internal values die when forward-dead, their extra saved bytes exist only
 during the op) except its kept boundary values (the schedule's ``kept``: the values later
-stages or the output read, less random and unrewritten in-place ops), which stay with their
-ops' extra saved bytes until the recomputation; it keeps its inputs (values of earlier
-stages it reads) until its backward has finished. When its backward starts, the rest of its
-forward runs again (phase ``recompute``, the schedule's ``recomputed``: values and saved
-blocks allocated, values nobody saved freed when dead), the kept values are handed on to
-the recomputed ops that read them, and then it is back-propagated. In-place ops the
+stages or the output read, less random and unrewritten in-place ops and values that live in
+another's storage, views and ops that returned their input, which the policy has no op of
+to save), which stay with their ops' extra saved bytes until the recomputation; it keeps its
+inputs (values of earlier stages it reads) until its backward has finished. When its
+backward starts, the rest of its forward runs again (phase ``recompute``, the schedule's
+``recomputed``: values and saved blocks allocated, values nobody saved freed when dead, but
+a value the stage returns, read by a later stage, held by the recomputation's frame until it
+ends, as the stage's program returns it), the kept values are handed on to the recomputed
+ops that read them, and then it is back-propagated. In-place ops the
 executor rewrites (the schedule's ``rewritten``) own their storage. ``whole_stages=True``
 models the tracing fallback instead, which runs a recomputed stage again whole.
 
@@ -198,7 +201,8 @@ class StepSimulation(VertexFacts):
         # A recomputed stage's kept boundary values: the storage each holds, until its
         # recomputation hands them on.
         self.kept_held: dict[str, object] = {}
-        self.frame_kept: list[object] = []  # kept values a running recomputation handed on
+        self.frame_kept: list[object] = []  # values a running recomputation's frame holds
+        self.frame_returns: set[str] = set()  # the values it returns that it runs again
         self.kept_bytes = [0] * len(self.stages)  # what each stage adds to the cache
         # Per vertex: gradients (of values and parameters) and transients at its backward's
         # peak; the same under every plan (the backward runs in one order).
@@ -431,6 +435,12 @@ class StepSimulation(VertexFacts):
         for v in kept:
             if base[v] != v and base[v] in rkey and base[v] not in kept:
                 kept_aliases.setdefault(base[v], set()).add(v)
+        # The values the stage's program returns (read by later stages, or model outputs)
+        # that run again: the recomputation's frame holds each until it ends, as it holds
+        # the kept ones it hands on (its early stop raises before the program returns).
+        outputs = self.shared.outputs
+        self.frame_returns = {v for v in self.schedule.stages[k].reached
+                              if v not in kept and (v in outputs or any(stage_of[w] != k for w in self.succ[v]))}
         fork = ("rng_fork", k)
         stash = self.shared.rng_state_bytes if self.schedule.stages[k].draws_random else 0
         if stash:
@@ -499,6 +509,9 @@ class StepSimulation(VertexFacts):
                     self.held[saver].append(mine)
         self._save_for_backward(
             v, [saved_key[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
+        if v in self.frame_returns:
+            mem.hold(mine)
+            self.frame_kept.append(mine)
         peak = mem.live + self.node[v].ws_fwd
         for u in self.pred[v]:
             bu = base[u]
