@@ -159,19 +159,22 @@ class PlanningFailed:
 
     error: str
     """``"TypeName: message"`` of the owner's error."""
-    infeasible: tuple[int, int | None, str] | None = None
-    """The infeasible error's budget, smallest feasible budget and what was tried."""
+    infeasible: tuple[int, int | None, str, int | None, str, int | None] | None = None
+    """The infeasible error's budget, smallest feasible budget, what was tried, the measured
+    peak, the cause and the profile's least (:class:`~lightning_remat.errors.RematInfeasibleError`)."""
 
     @classmethod
     def of(cls, exc: BaseException) -> PlanningFailed:
-        infeasible = ((exc.budget_bytes, exc.min_budget_bytes, exc.tried)
+        infeasible = ((exc.budget_bytes, exc.min_budget_bytes, exc.tried, getattr(exc, "measured_peak_bytes", None),
+                       getattr(exc, "cause", ""), getattr(exc, "profiled_least_bytes", None))
                       if isinstance(exc, RematInfeasibleError) else None)
         return cls(f"{type(exc).__name__}: {exc}", infeasible)
 
     def error_for(self, owner: int) -> Exception:
         """The error a rank that waited for rank ``owner`` raises."""
         if self.infeasible is not None:
-            return RematInfeasibleError(*self.infeasible)
+            budget, least, tried, peak, cause, profiled = self.infeasible
+            return RematInfeasibleError(budget, least, tried, peak, cause=cause, profiled_least_bytes=profiled)
         return RuntimeError(f"lightning_remat: rank {owner} could not plan its input ({self.error}); "
                             "every rank stops with it")
 

@@ -7,6 +7,7 @@ charge an op's backward to it; :class:`OpRecord` holds what one measured step sa
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -254,9 +255,16 @@ class _Span:
         self.peaks: list[Any] = []
         self.handed = 0
         """Bytes of the new gradient storages handed to nodes of other ops."""
-        self._incoming: set[int] = set()
-        self._made: set[int] = set()
+        # By address, each with weak references to the gradients seen there: a storage
+        # freed inside the span can have its address taken by a new one, which is new
+        # only where none of the gradients seen at that address is alive.
+        self._incoming: dict[int, list[weakref.ref]] = {}
+        self._made: dict[int, list[weakref.ref]] = {}
         self._counted: set[int] = set()
+
+    @staticmethod
+    def _alive(seen: dict[int, list[weakref.ref]], ptr: int) -> bool:
+        return any(ref() is not None for ref in seen.get(ptr, ()))
 
     def enter(self, before: int, grad_outputs: Any) -> None:
         if not self.entered:
@@ -264,8 +272,8 @@ class _Span:
         for grad in grad_outputs:
             if isinstance(grad, torch.Tensor):
                 ptr = storage_of(grad)[0]
-                if ptr not in self._made:
-                    self._incoming.add(ptr)
+                if not self._alive(self._made, ptr):
+                    self._incoming.setdefault(ptr, []).append(weakref.ref(grad))
 
     def leave(self, fn: Any, grad_inputs: Any, peak: Any) -> None:
         self.left -= 1
@@ -274,8 +282,8 @@ class _Span:
             if not isinstance(grad, torch.Tensor):
                 continue
             ptr, size = storage_of(grad)
-            self._made.add(ptr)
-            if nxt is None or nxt in self.nodes or ptr in self._incoming or ptr in self._counted:
+            self._made.setdefault(ptr, []).append(weakref.ref(grad))
+            if nxt is None or nxt in self.nodes or self._alive(self._incoming, ptr) or ptr in self._counted:
                 continue
             self._counted.add(ptr)
             self.handed += size
