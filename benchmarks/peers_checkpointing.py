@@ -6,7 +6,8 @@ Models: the zoo's timm ViT, Swin and EfficientNet (tests/test_zoo_vision.py, ran
 the loss the sum of the logits) and the zoo's transformers with their configs' defaults (the
 cache, the attention implementation and dropout as shipped), each trained on its own
 ``.loss`` from labels as a fine-tune does: GPT-2, Qwen2 and T5 as tests/test_zoo_transformers.py
-builds them (labels the input ids; T5 from ``input_ids`` and ``labels`` only), BERT's masked LM
+builds them (labels the input ids; T5 from ``input_ids`` and ``labels`` only, its decoder's
+start token 0 as T5's checkpoints have it, the config class names none), BERT's masked LM
 as tests/hf_architectures.py builds it (batch 8 of 64 tokens, padded, labels -100 on the
 padding) and the Llama of examples/hf_finetune.py (4 layers, hidden 128, batch 8 of 128
 tokens). Hugging Face's peer is ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
@@ -93,6 +94,8 @@ def build(name: str) -> tuple[Any, Any]:
         model, x = getattr(zoo, name)()
         if name == "t5":  # a fine-tune passes the targets; the decoder's inputs are shifted from them
             x = {"input_ids": x["input_ids"], "labels": x.pop("decoder_input_ids")}
+            # T5Config's defaults name no start token to shift with; T5's own checkpoints use the pad's, 0.
+            model.config.decoder_start_token_id = 0
         else:
             x = dict(x, labels=x["input_ids"])
     elif name == "bert":
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)")
     p.add_argument("--no-fifty", action="store_true", help="skip remat at 50%% of the plain peak")
     p.add_argument("--tag", default="cpu")
+    p.add_argument("--update", action="store_true",
+                   help="keep the tag's other rows, noting when and where these were measured")
     args = p.parse_args(argv)
     import torch
 
@@ -361,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         names = [m for m in (args.models or ARCHITECTURES) if available(m)]
     else:
         names = args.models or list(MODELS)
+    path = RESULTS / f"{args.tag}.json"
+    if args.update and path.is_file():
+        earlier = json.loads(path.read_text())
+        note = (f"{', '.join(names)} measured {record['date']} at commit {record['commit']} by "
+                f"`{record['command']}`")
+        record = dict(earlier, note="; ".join(filter(None, [earlier.get("note"), note])))
     for name in names:
         worker_name = f"arch:{name}" if args.architectures else name
         repeats = 0 if args.architectures else args.repeats
@@ -374,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             rows["remat_50"] = spawn(worker_name, "remat", "50%", 0, args.threads)
         print(name, json.dumps(rows), flush=True)
         # Written after each model: a run cut short keeps what it measured.
-        record["seconds"] = time.time() - started
+        if not args.update:
+            record["seconds"] = time.time() - started
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{args.tag}.json").write_text(json.dumps(record, indent=1))
+        path.write_text(json.dumps(record, indent=1))
     print("\n".join(render_section()))
     return 0
 
