@@ -163,8 +163,9 @@ def _least_time_within(graph: Graph, budget: int, first: Plan,
 
 def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -> list[tuple[int, Plan]]:
     """(budget, plan) for each smallest budget auto can name, the plan fitting it: the
-    approximate TC DP's plan at its smallest budget (where the simulator finds more than the
-    DP there, the smallest budget up to that plan's peak whose TC plan fits it), and, where offloading is
+    approximate TC DP's plan at its smallest budget (or the MC DP's, where the simulator finds
+    more than the DP in the TC plan and not in the MC one; where it does in both, the
+    smallest budget up to the TC plan's peak whose TC plan fits it), and, where offloading is
     allowed, the chain's plan at DynProg's smallest budget where it fits there. Given a
     ``budget`` below every one of them, none (without solving anything).
 
