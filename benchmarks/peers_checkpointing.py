@@ -33,6 +33,10 @@ with our smallest budget beside their plain peak.
     python benchmarks/peers_checkpointing.py --models vit gpt2
     python benchmarks/peers_checkpointing.py --architectures --tag architectures-cpu
 
+``--head-to-head N`` also times plain training, the peer and ``remat`` at the peer's peak in
+one process, alternating step by step for N rounds, so that the load of other work on the
+machine meets all three alike (with ``--update``, only that is added to a tag's rows).
+
 Results go to ``benchmarks/results/peers/<tag>.json``; ``benchmarks/render.py`` puts their
 tables in ``benchmarks/RESULTS.md``.
 """
@@ -133,9 +137,45 @@ def step_loss(out: Any) -> Any:
     return logits.float().sum()
 
 
+def head_to_head(name: str, budget: int, repeats: int) -> dict[str, Any]:
+    """Step times of plain training, the peer and ``remat`` at ``budget`` in one process,
+    alternating step by step (no peaks: those come from processes of their own): where
+    other work shares the CPU, the three meet the same load."""
+    import copy
+    import warnings
+
+    import torch
+
+    import lightning_remat
+
+    warnings.simplefilter("ignore")
+    model, x = build(name)
+    peer = copy.deepcopy(model)
+    if hasattr(peer, "set_grad_checkpointing"):
+        peer.set_grad_checkpointing(True)
+    else:
+        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(HF_KWARGS))
+    ours = lightning_remat.remat(copy.deepcopy(model), x, memory_budget=budget, loss_fn=step_loss)
+    steps = {"plain": model, "peer": peer, "remat": ours}
+    spent: dict[str, list[float]] = {key: [] for key in steps}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for key, module in steps.items():
+            for p in module.parameters():
+                p.grad = None
+            torch.manual_seed(1)
+            t0 = time.perf_counter()
+            step_loss(call(module, x)).backward()
+            if round_:
+                spent[key].append(time.perf_counter() - t0)
+    return {f"{key}_step_seconds": statistics.median(times) for key, times in spent.items()}
+
+
 def measure(name: str, method: str, budget: int | str | None, repeats: int) -> dict[str, Any]:
-    """``method``: ``peer`` (the plain step's peak is measured here too) or ``remat`` at
-    ``budget`` (bytes or a fraction string; None: no limit, the plain plan)."""
+    """``method``: ``peer`` (the plain step's peak is measured here too), ``remat`` at
+    ``budget`` (bytes or a fraction string; None: no limit, the plain plan) or ``both``
+    (:func:`head_to_head`)."""
+    if method == "both":
+        return head_to_head(name, int(budget or 0), repeats)
     import warnings
 
     import torch
@@ -242,19 +282,29 @@ def _at(ours: dict[str, Any], plain: int) -> str:
     return f"error: {ours.get('error', 'not run')}"
 
 
+def _together(row: dict[str, Any]) -> str:
+    if "plain_step_seconds" not in row:
+        return "-"
+    plain = row["plain_step_seconds"]
+    return f"{row['peer_step_seconds'] / plain:.2f}, {row['remat_step_seconds'] / plain:.2f}"
+
+
 def table(record: dict[str, Any]) -> list[str]:
     """The Markdown table of one run of the models."""
     fifty = any("remat_50" in rows for rows in record["rows"].values())
+    together = any("head_to_head" in rows for rows in record["rows"].values())
     out = ["| model | peer | plain peak MiB | peer peak MiB (/plain) | our smallest budget MiB (/plain) "
            "| our peak at the peer's peak MiB (/plain) "
            + ("| our peak at 50% MiB (/plain) " if fifty else "")
-           + "| peer time/plain | our time/plain | our capture, vertices |",
-           "|---|---|---:|---:|---:|---:|" + ("---:|" if fifty else "") + "---:|---:|---|"]
+           + "| peer time/plain | our time/plain "
+           + ("| one process: peer, ours /plain " if together else "") + "| our capture, vertices |",
+           "|---|---|---:|---:|---:|---:|" + ("---:|" if fifty else "") + "---:|---:|"
+           + ("---:|" if together else "") + "---|"]
     for name, rows in record["rows"].items():
         peer, ours = rows.get("peer", {}), rows.get("remat", {})
         if "peak_bytes" not in peer:
             out.append(f"| {name} | {peer_of(name)} | peer failed: {peer.get('error', '')} |"
-                       + " |" * (6 + fifty))
+                       + " |" * (6 + fifty + together))
             continue
         plain = peer["plain_peak_bytes"]
         least = ours.get("min_budget_bytes")
@@ -267,7 +317,8 @@ def table(record: dict[str, Any]) -> list[str]:
         out.append(f"| {name} | {peer_of(name)} | {plain / MiB:.2f} | {_mib(peer['peak_bytes'], plain)} | "
                    f"{least_cell} | {_at(ours, plain)} | "
                    + (f"{_at(rows.get('remat_50', {}), plain)} | " if fifty else "")
-                   + f"{peer['step_seconds'] / peer['plain_step_seconds']:.2f} | {our_time} | {capture} |")
+                   + f"{peer['step_seconds'] / peer['plain_step_seconds']:.2f} | {our_time} | "
+                   + (f"{_together(rows.get('head_to_head', {}))} | " if together else "") + f"{capture} |")
     return out
 
 
@@ -301,8 +352,9 @@ def architectures_table(record: dict[str, Any]) -> list[str]:
 def render_section(results: Path = RESULTS) -> list[str]:
     """The section of RESULTS.md (empty without results)."""
     out: list[str] = []
-    for path in sorted(results.glob("*.json")) if results.is_dir() else []:
-        record = json.loads(path.read_text())
+    paths = sorted(results.glob("*.json")) if results.is_dir() else []
+    records = sorted(((json.loads(path.read_text()), path) for path in paths), key=lambda pair: pair[0]["date"])
+    for record, path in records:  # oldest first
         architectures = record.get("mode") == "architectures"
         title = ("Our smallest budget against Hugging Face checkpointing, every architecture" if architectures
                  else "Against timm and Hugging Face checkpointing")
@@ -332,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="every architecture of tests/hf_architectures.py: peaks and smallest budgets only")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads in each worker (0: torch's default)")
+    p.add_argument("--head-to-head", type=int, default=0, metavar="N",
+                   help="also time plain, the peer and remat at the peer's peak in one process, N rounds")
     p.add_argument("--no-fifty", action="store_true", help="skip remat at 50%% of the plain peak")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--update", action="store_true",
@@ -375,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         worker_name = f"arch:{name}" if args.architectures else name
         repeats = 0 if args.architectures else args.repeats
+        rows = record["rows"].get(name, {})
+        if args.update and args.head_to_head and "peak_bytes" in rows.get("remat", {}):
+            # The peaks are kept: only the times of the three in one process are added.
+            rows["head_to_head"] = spawn(worker_name, "both", rows["peer"]["peak_bytes"], args.head_to_head,
+                                         args.threads)
+            print(name, json.dumps(rows["head_to_head"]), flush=True)
+            path.write_text(json.dumps(record, indent=1))
+            continue
         peer = spawn(worker_name, "peer", None, repeats, args.threads)
         rows = record["rows"][name] = {"peer": peer}
         if "peak_bytes" in peer:
@@ -383,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             rows["remat"] = spawn(worker_name, "remat", None, 0, args.threads)
         if not args.architectures and not args.no_fifty and "peak_bytes" in peer:
             rows["remat_50"] = spawn(worker_name, "remat", "50%", 0, args.threads)
+        if args.head_to_head and "peak_bytes" in rows.get("remat", {}):
+            rows["head_to_head"] = spawn(worker_name, "both", peer["peak_bytes"], args.head_to_head,
+                                         args.threads)
         print(name, json.dumps(rows), flush=True)
         # Written after each model: a run cut short keeps what it measured.
         if not args.update:
