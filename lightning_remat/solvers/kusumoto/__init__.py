@@ -304,8 +304,8 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
         if found is not None:
             notes.append("no strategy under the stage-memory upper bound; found with the "
                          "simulator's own stage costs"
-                         + (f" on {tighter.size} of its {family.size} lower sets" if tighter.size < family.size
-                            else ""))
+                         + (f" on {tighter.size} of its {family.size} lower sets"
+                            if (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK else ""))
             return _plan_from_sequence(graph, tighter, found, name, budget, notes, True)
         if tighter.min_budget() <= family.min_budget():
             family = tighter
