@@ -371,7 +371,11 @@ def render_section(results: Path = RESULTS) -> list[str]:
                    "with HF's peak as the budget." if architectures else
                    "Each peer's measured peak is the budget of `remat` (solver `auto`), measured in the "
                    "same run and harness; ratios in brackets are to the plain step's peak, times are "
-                   "to plain steps alternated in the same process."), "",
+                   "to plain steps alternated in the same process; *held*: the measured peak within "
+                   "the budget"
+                   + ("; *one process*: plain, the peer and ours alternated step by step in one "
+                      "process (`--head-to-head`)." if any("head_to_head" in rows for rows in
+                                                            record["rows"].values()) else ".")), "",
                 *(architectures_table(record) if architectures else table(record)), ""]
     return out
 
