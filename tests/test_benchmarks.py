@@ -446,3 +446,34 @@ def test_the_batch_search_verdict_names_what_misses() -> None:
     assert batch_search.verdict(row(17, 4, 0.5, within=False)) == "misses: its steps go over the budget"
     assert batch_search.verdict(row(8, 4, 0.8)).startswith("n/a")
     assert batch_search.verdict({"search_error": "x"}) == "misses: the search crashed"
+
+
+def test_peers_tables_mark_where_our_smallest_budget_is_above_the_peers_peak(tmp_path: Path) -> None:
+    """benchmarks/peers_checkpointing.py's tables: a budget of ours above HF's peak, a refusal
+    and a peak over its budget are marked, and an architecture without gradient
+    checkpointing is named as such."""
+    from benchmarks import peers_checkpointing as peers
+
+    mib = 2**20
+    common = {"machine": "x86_64 CPU, 2 cores", "torch": "2.x", "commit": "abc1234567"}
+    models = dict(common, date="2026-12-06 10:00 UTC", rows={
+        "llama": {"peer": {"plain_peak_bytes": 100 * mib, "peak_bytes": 30 * mib, "step_seconds": 1.3,
+                           "plain_step_seconds": 1.0},
+                  "remat": {"infeasible": True, "min_budget_bytes": 36 * mib},
+                  "remat_50": {"capture": "torch.export (non-strict)", "vertices": 269, "budget_bytes": 50 * mib,
+                               "peak_bytes": 51 * mib, "min_budget_bytes": 36 * mib}}})
+    architectures = dict(common, date="2026-12-06 11:00 UTC", mode="architectures", rows={
+        "t5": {"peer": {"plain_peak_bytes": 10 * mib, "peak_bytes": 3 * mib},
+               "remat": {"capture": "torch.export (non-strict)", "vertices": 444, "budget_bytes": 3 * mib,
+                         "peak_bytes": 3 * mib, "min_budget_bytes": 2 * mib}},
+        "distilbert": {"peer": {"plain_peak_bytes": 10 * mib, "unsupported": True},
+                       "remat": {"capture": "torch.fx", "vertices": 50, "budget_bytes": 10 * mib,
+                                 "peak_bytes": 10 * mib, "min_budget_bytes": 4 * mib}}})
+    (tmp_path / "a.json").write_text(json.dumps(architectures))
+    (tmp_path / "b.json").write_text(json.dumps(models))
+    text = "\n".join(peers.render_section(tmp_path))
+    assert text.index("(b)") < text.index("(a)")  # by the date measured
+    assert "36.00 (0.36) **above the peer's** | **refused** (smallest 36.00 (0.36))" in text
+    assert "51.00 (0.51), **over by 1.00**" in text
+    assert "| t5 | 10.00 | 3.00 (0.30) | 2.00 (0.20) | -1.00 | 3.00 (0.30), held |" in text
+    assert "| distilbert | 10.00 | no gradient checkpointing | 4.00 (0.40) |" in text

@@ -163,8 +163,9 @@ def _least_time_within(graph: Graph, budget: int, first: Plan,
 
 def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -> list[tuple[int, Plan]]:
     """(budget, plan) for each smallest budget auto can name, the plan fitting it: the
-    approximate TC DP's plan at its smallest budget (where the simulator finds more than the
-    DP there, the smallest budget up to that plan's peak whose TC plan fits it), and, where offloading is
+    approximate TC DP's plan at its smallest budget (or the MC DP's, where the simulator finds
+    more than the DP in the TC plan and not in the MC one; where it does in both, the
+    smallest budget up to the TC plan's peak whose TC plan fits it), and, where offloading is
     allowed, the chain's plan at DynProg's smallest budget where it fits there. Given a
     ``budget`` below every one of them, none (without solving anything).
 
@@ -185,6 +186,14 @@ def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -
     if budget is not None and budget < min(lo, lo if offload is None else offload):
         return []
     tc = solve_approx_tc(graph, lo, **kusumoto_options)
+    if not _fits(tc, lo):
+        # The memory-centric strategy at the same budget, the coarsest partition (Kusumoto
+        # section 4.4): where the TC's finer one is found over by the simulator, fewer
+        # stages may not be (a Llama's sampled family: TC's 11 stages simulated 10% over
+        # the DP's peak; MC's 6 matched it).
+        mc = solve_approx_mc(graph, lo, **kusumoto_options)
+        if _fits(mc, lo):
+            tc = mc
     hi = max(lo, tc.guaranteed_peak_bytes)
     if hi > lo:
         # The DP's plan at its smallest budget needs more by the simulator: the smallest
@@ -199,7 +208,7 @@ def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -
                 lo = mid
     # The same stages on the measured graph: its extra time is the measured one.
     tc = make_plan(real, tc.stages, tc.solver, hi, notes=tc.notes)
-    anchors = [(hi, _label(tc, "auto:kusumoto-tc", [], True))]
+    anchors = [(hi, _label(tc, "auto:" + tc.solver.removeprefix("auto:"), [], True))]
     if offload is not None and offload < anchors[0][0]:
         plan = _chain(real, offload, options)[0]
         if plan is not None:

@@ -56,6 +56,7 @@ the rest, in two modules:
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -64,6 +65,7 @@ import numpy as np
 from lightning_remat.errors import SolverDeclinedError
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.kusumoto.bits import (
+    GraphBits,
     all_lower_sets,
     approximate_sets,
     graph_bits,
@@ -91,6 +93,8 @@ _SIMULATED_WORK = 100_000
 # tried while pairs x vertices stays under this (seconds on a 100-vertex graph): the bound
 # is loose on shared storage, and a tight budget is where that decides feasibility.
 _TIGHTER_WORK = 2_000_000
+# Above that, a subfamily of it is simulated instead, as much as the approximate DP's own
+# simulated family costs (``_SIMULATED_WORK``): ``_sampled_sets``.
 
 
 # ---- the paper's own formulas, for reference ---------------------------------------------------
@@ -136,21 +140,37 @@ _FAMILY_CACHE: OrderedDict[tuple, LowerSetFamily] = OrderedDict()
 _FAMILY_CACHE_SIZE = 8
 
 
+def _sampled_sets(bits: GraphBits) -> list[int]:
+    """Of the approximate family, in size order, ``k`` equal runs and from each the set whose
+    stage keeps the fewest bytes (a transformer layer's output, not a value inside it), ``k``
+    such that simulating every pair costs ``_SIMULATED_WORK``. Cut points spread over the
+    whole forward: the ``k`` cheapest sets overall were all early ones (masks, position
+    tables), and on T5 their smallest budget was the plain peak's."""
+    bound = LowerSetFamily(bits, approximate_sets(bits, True))
+    runs = max(2, math.isqrt(2 * _SIMULATED_WORK // max(bits.n, 1)))
+    return [bound.sets[int(run[np.argmin(bound.held_kept[run])])]
+            for run in np.array_split(np.arange(bound.size), runs) if run.size]
+
+
 def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = False,
-            prefixes: bool = False) -> LowerSetFamily:
+            prefixes: bool = False, sampled: bool = False) -> LowerSetFamily:
     """The family of lower sets for a graph, reused across calls on the same graph and
     costs (auto, min-budget searches and benchmarks call the DP several times);
     ``simulated`` asks for the simulator's stage costs whatever they cost; ``prefixes``:
-    the prefixes of the forward's order in place of the approximate family."""
+    the prefixes of the forward's order in place of the approximate family; ``sampled``:
+    :func:`_sampled_sets` of the approximate family, with the simulator's stage costs."""
     if isinstance(max_lower_sets, bool) or not isinstance(max_lower_sets, int) or max_lower_sets < 1:
         raise ValueError(f"max_lower_sets={max_lower_sets!r} must be an int of at least 1")
-    key = (exact, simulated, prefixes, _cost_key(graph))
+    simulated = simulated or sampled
+    key = (exact, simulated, prefixes, sampled, _cost_key(graph))
     family = _FAMILY_CACHE.get(key)
     if family is not None and (not exact or family.size <= max_lower_sets):
         _FAMILY_CACHE.move_to_end(key)
         return family
     bits = graph_bits(graph)
-    if prefixes:
+    if sampled:
+        sets = _sampled_sets(bits)
+    elif prefixes:
         sets = prefix_sets(bits)
     else:
         sets = all_lower_sets(bits, max_lower_sets) if exact else approximate_sets(bits, simulated)
@@ -161,7 +181,7 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
     # the approximate one affords only for a tight budget: above it (a 329-vertex chain, 54k
     # pairs) the simulations alone took 80 s on a 2-core CPU, and the bound still fits.
     simulated = simulated or pairs * max(bits.n, 1) <= (_TIGHTER_WORK if exact else _SIMULATED_WORK)
-    if simulated and not exact and not prefixes:
+    if simulated and not exact and not prefixes and not sampled:
         sets = approximate_sets(bits, True)
     family = LowerSetFamily(bits, sets, simulated=simulated)
     if simulated:
@@ -208,12 +228,19 @@ def _cost_key(graph: Graph) -> str:
     return json.dumps(data)
 
 
-def _tighter_family(graph: Graph, family: LowerSetFamily, prefixes: bool = False) -> LowerSetFamily | None:
+def _tighter_family(graph: Graph, family: LowerSetFamily, prefixes: bool = False,
+                    exact: bool = False) -> LowerSetFamily | None:
     """The same approximate family (or the prefixes) with the simulator's stage costs, where
     ``family`` uses the upper bound and simulating every pair is affordable
-    (``_TIGHTER_WORK``); else None."""
-    if family.simulated or (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK:
+    (``_TIGHTER_WORK``); beyond that, for the approximate family, its sampled subfamily
+    (:func:`_sampled_sets`), whose strategies are the family's and whose costs are exact;
+    else None."""
+    if family.simulated:
         return None
+    if (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK:
+        if exact or prefixes:
+            return None
+        return _family(graph, False, DEFAULT_MAX_LOWER_SETS, sampled=True)
     return _family(graph, False, DEFAULT_MAX_LOWER_SETS, simulated=True, prefixes=prefixes)
 
 
@@ -271,14 +298,17 @@ def _solve(graph: Graph, budget_bytes: int | None, *, exact: bool, objective: st
     found = _run(family, target, objective, time_steps)
     if found is not None:
         return _plan_from_sequence(graph, family, found, name, budget, notes, True)
-    tighter = _tighter_family(graph, family, prefixes)
+    tighter = _tighter_family(graph, family, prefixes, exact)
     if tighter is not None:
-        family = tighter
-        found = _run(family, target, objective, time_steps)
+        found = _run(tighter, target, objective, time_steps)
         if found is not None:
             notes.append("no strategy under the stage-memory upper bound; found with the "
-                         "simulator's own stage costs")
-            return _plan_from_sequence(graph, family, found, name, budget, notes, True)
+                         "simulator's own stage costs"
+                         + (f" on {tighter.size} of its {family.size} lower sets"
+                            if (family.size ** 2 // 2) * max(family.bits.n, 1) > _TIGHTER_WORK else ""))
+            return _plan_from_sequence(graph, tighter, found, name, budget, notes, True)
+        if tighter.min_budget() <= family.min_budget():
+            family = tighter
     smallest = family.min_budget()
     notes.append(
         f"no strategy has peak <= {budget} bytes; the smallest budget with one is "
@@ -383,7 +413,8 @@ def _min_budget(graph: Graph, exact: bool, max_lower_sets: int = DEFAULT_MAX_LOW
     except SolverDeclinedError as declined:
         raise declined.for_solver(None, name) from None
     tighter = None if exact else _tighter_family(graph, family)
-    return (tighter or family).min_budget() + model_margin(graph)
+    least = family.min_budget() if tighter is None else min(family.min_budget(), tighter.min_budget())
+    return least + model_margin(graph)
 
 
 def min_budget_solve_approx_tc(graph: Graph, **options: Any) -> int:
