@@ -59,7 +59,7 @@ def build(name: str) -> Any:
     if name == "t5":
         return tf.T5ForConditionalGeneration(tf.T5Config(
             vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=384, num_layers=4, num_decoder_layers=4,
-            num_heads=4))
+            num_heads=4, decoder_start_token_id=0))  # T5's checkpoints set it; labels need it
     if name == "bert":
         return tf.BertForMaskedLM(tf.BertConfig(
             vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
