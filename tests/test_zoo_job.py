@@ -11,11 +11,15 @@ Checked for each model:
   search's trial there, within the budget; the plan trained, its step at that size run as
   the loop people write runs it, is within the budget at the allocator's edge
   (``benchmarks/edge.py``: the kernel's resident high-water mark in a process whose glibc
-  maps every buffer of 64 KiB or more on its own). Not inside Lightning's loop: there, at
-  these sizes, the edge's reading of one step varies by more than a plan's margin: Qwen2's
-  plain step at ``B`` read 2.79 to 3.34 MB at the edge over four steps of a fit, against
-  the budget's 3.12 MB on the meter, and 3.10 to 3.23 MB in a plain loop (2026-12-06,
-  2-core CPU);
+  maps every buffer of 64 KiB or more on its own). Not inside this fit: its TensorBoard
+  logger brings ``MemoryTimelineLogger``, whose meter (the profiler) keeps records of the
+  step's ops in host memory outside the budget (docs/design.md section 6, "What a budget
+  bounds"): about 2.2 MB at the end of Qwen2's planned forward and backward at batch 3,
+  whose edge read 3.39 to 4.80 MB in the fit against 2,638,352 B on the meter, and 2.35 to
+  2.52 MB in the same fit without a logger (2026-12-07, 2-core CPU). The fit's batches also
+  differ: a batch with a padded row reads 262,144 B more on the meter (Qwen2's plain step at
+  ``B``: 3,122,192 B against 2,860,048 B), so steps of a fit are compared with the meter
+  step by step;
 - the first trained step's gradients are plain Lightning's at that size, to the bit (to float
   rounding only where the plan runs ops out of the forward's order, its ``order:`` note:
   docs/design.md section 5, "Plain's order");
