@@ -10,15 +10,14 @@ Checked for each model:
 - the step trained at the searched size reads, on the search's meter, no more than the
   search's trial there, within the budget; the plan's forward and backward (what a budget
   bounds) at that size is within the budget at the allocator's edge (``benchmarks/edge.py``:
-  the kernel's resident high-water mark in a process whose glibc maps every buffer of 64 KiB
-  or more on its own) at the third step of a fit without a logger. Not run as a plain loop
-  after the fit: at these sizes a fifth of what a step allocates is in buffers under 64 KiB,
-  served from the heap, and the edge of that loop read Qwen2's plain step 4.5% under to 6.4%
-  over the meter, and the plan's 3.15 to 3.47 MB against 2.80 MB on the meter and a 3.12 MB
-  budget (8 of 9 readings over it; 2026-12-07, 2-core CPU under load), which the fit's third
-  step did not (docs/limitations.md). At the second step of the fit, the
-  edge read under the meter by what the planning step left and the step freed (T5: 6.66 MB
-  against 11.49 MB). Not in the searched fit: its TensorBoard logger brings
+  the kernel's resident high-water mark in a process whose glibc maps every buffer of a page
+  or more on its own) at the third step of a fit without a logger. At these sizes a fifth of
+  what a step allocates is under 64 KiB: with the edge's usual threshold (64 KiB) such buffers
+  come from the heap, and the fit's third step of Qwen2's plan read 2.58 to 3.42 MB from run to
+  run against 2.80 MB on the meter and a 3.12 MB budget (2026-12-07, 2-core CPU); with every
+  buffer of a page or more mapped, three runs read 2.47 to 2.58 MB. At the second step of the
+  fit, the edge read under the meter by what the planning step left and the step freed (T5:
+  6.66 MB against 11.49 MB). Not in the searched fit: its TensorBoard logger brings
   ``MemoryTimelineLogger``, whose meter (the profiler) keeps records of the step's ops in
   host memory outside the budget (docs/design.md section 6, "What a budget bounds"): about
   2.2 MB at the end of Qwen2's planned forward and backward at batch 3 (a budget of
@@ -221,7 +220,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             "torch.set_num_threads(1)\n"
             f"print(json.dumps({{name: job(name, Path({str(root)!r}) / name) for name in MODELS}}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env=child_env(PYTHONPATH=str(ROOT)), timeout=900)
+                          env=child_env(mmap_threshold=4096, PYTHONPATH=str(ROOT)), timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stderr[-3000:]
     return json.loads(lines[-1])
