@@ -477,3 +477,37 @@ def test_peers_tables_mark_where_our_smallest_budget_is_above_the_peers_peak(tmp
     assert "51.00 (0.51), **over by 1.00**" in text
     assert "| t5 | 10.00 | 3.00 (0.30) | 2.00 (0.20) | -1.00 | 3.00 (0.30), held |" in text
     assert "| distilbert | 10.00 | no gradient checkpointing | 4.00 (0.40) |" in text
+
+
+def test_the_edge_takes_a_threshold_from_a_page_to_64_kib() -> None:
+    from benchmarks import edge
+
+    assert edge.child_env(mmap_threshold=4096)["MALLOC_MMAP_THRESHOLD_"] == "4096"
+    assert edge.child_env()["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    with pytest.raises(ValueError, match="from 4096"):
+        edge.child_env(mmap_threshold=1024)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the edge reads /proc/self/status")
+def test_with_a_page_threshold_the_edge_counts_buffers_under_64_kib() -> None:
+    """256 tensors of 16 KiB held at once: in a child whose every buffer of a page or more is
+    a mapping, the edge reads at least their 4 MiB (each is 5 pages with its header, and up to
+    32 pages per CPU go unseen); with 64 KiB, the heap serves them, in part from free chunks
+    the step never grew (a megabyte of them read 0.93 to 1.0 MB there, 1.15 to 1.19 MB with a
+    page, 2026-12-07)."""
+    from benchmarks.edge import child_env
+
+    code = ("import torch\n"
+            "from benchmarks.edge import edge_peak_bytes\n"
+            "def step():\n"
+            "    held = [torch.ones(4096) for _ in range(256)]\n"
+            "    return held\n"
+            "step()\n"  # the first op's code pages and pools: resident before the reading
+            "print(edge_peak_bytes(step))\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env=child_env(mmap_threshold=4096, PYTHONPATH=str(root)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reading = int(proc.stdout.split()[-1])
+    buffers = 256 * 16384
+    assert buffers <= reading <= buffers + 256 * 2 * 4096, reading
