@@ -277,6 +277,40 @@ def test_the_policy_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_
     assert measured_vertex_seconds(graph, calibration_plan(graph), StepTimes(1.0, 2.0, 0.0)) is None
 
 
+def test_op_times_over_the_plain_step_are_scaled_to_it_before_the_stage_time_is_measured() -> None:
+    """A profile whose op times sum to twice the plain step they are part of (the profiler's
+    own time inside each op's interval) is scaled to the step before the calibration plan's
+    extra time is split, so the stages' own 3 ms each is measured, not hidden under the ops
+    run again (0 without the scaling); op times within the step are left as they are."""
+    from lightning_remat.runtime.overhead import calibrate_on_model, calibration_plan
+    from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import recomputed_seconds
+
+    _, _, graph = _profiled_chain()
+    graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = 2e-4, 0.0
+    ops = graph.total("t_fwd", graph.ids) + graph.total("t_bwd", graph.ids)
+    plan = calibration_plan(graph)
+    k = plan.count("recompute")
+    true_again = recomputed_seconds(graph, make_schedule(graph, plan)) / 2  # the ops at half the profile's
+    plain = ops / 2
+
+    def timer(steps):
+        return [StepTimes(plain, plain + true_again + k * 3e-3, 0.0) for _ in steps]
+
+    said = calibrate_on_model(graph, timer, lambda plan: lambda: None)
+    assert graph.total("t_fwd", graph.ids) + graph.total("t_bwd", graph.ids) == pytest.approx(plain)
+    assert graph.meta.recompute_stage_measured and graph.meta.recompute_stage_seconds == pytest.approx(3e-3)
+    assert any("scaled by 0.500" in line for line in said), said
+
+    _, _, graph = _profiled_chain()
+    times = [(n.t_fwd, n.t_bwd) for n in graph.nodes]
+    ops = graph.total("t_fwd", graph.ids) + graph.total("t_bwd", graph.ids)
+    said = calibrate_on_model(graph, lambda steps: [StepTimes(2 * ops, 2 * ops, 0.0) for _ in steps],
+                              lambda plan: lambda: None)
+    assert [(n.t_fwd, n.t_bwd) for n in graph.nodes] == times
+    assert not any("scaled" in line for line in said), said
+
+
 def test_the_planner_measures_the_executor_time_on_the_model_before_it_chooses(first_plans) -> None:
     """Planning a new input times the calibration plans' steps against the plain step
     before solving (injected: 5 ms per stage, then 1 ms per vertex under the policy,
