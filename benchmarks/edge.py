@@ -23,7 +23,7 @@ On steps of a few megabytes, a fifth of what a step allocates is under 64 KiB an
 the heap, where reuse and fragmentation moved the edge of one tiny Qwen2 step from 8% under to
 22% over the meter from run to run (2,580,480 to 3,416,064 B against 2,798,028 B). A child
 started with a lower threshold (``child_env(mmap_threshold=4096)``) maps every buffer of a page
-or more on its own: there three runs read 2,473,984 to 2,584,576 B (2026-12-07, 2-core CPU).
+or more on its own: there five runs read 2,473,984 to 2,584,576 B (2026-12-07, 2-core CPU).
 
 The setting makes allocation slower, so no timed step runs under it: the benchmarks run it in
 a child of its own (:func:`child_env`).

@@ -15,7 +15,7 @@ Checked for each model:
   what a step allocates is under 64 KiB: with the edge's usual threshold (64 KiB) such buffers
   come from the heap, and the fit's third step of Qwen2's plan read 2.58 to 3.42 MB from run to
   run against 2.80 MB on the meter and a 3.12 MB budget (2026-12-07, 2-core CPU); with every
-  buffer of a page or more mapped, three runs read 2.47 to 2.58 MB. At the second step of the
+  buffer of a page or more mapped, five runs read 2.47 to 2.58 MB. At the second step of the
   fit, the edge read under the meter by what the planning step left and the step freed (T5:
   6.66 MB against 11.49 MB). Not in the searched fit: its TensorBoard logger brings
   ``MemoryTimelineLogger``, whose meter (the profiler) keeps records of the step's ops in
