@@ -270,3 +270,61 @@ def test_a_reader_after_an_unused_inplace_statement_reads_its_result() -> None:
         module(x).square().sum().backward()
     for p, q in zip(plain.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class AugmentedBlock(nn.Module):
+    """A ResNet's ``out += identity`` beside an ``int`` counted with ``+=`` and a name kept
+    for the tensor before its write: eager Python writes the tensor in place (the name sees
+    the write) and rebinds the int (its other name keeps the old value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        n = x.size(0)
+        count = n
+        count += 1
+        out = self.bn(self.conv(x))
+        before = out
+        out += x
+        out = torch.relu_(out)
+        return out * count + before * n
+
+
+def test_augmented_assignment_writes_a_tensor_in_place_and_rebinds_an_int() -> None:
+    """fx's proxies have no ``__iadd__``, so Python falls back to ``+`` and the trace would
+    add into a new tensor where the forward wrote in place: the rematerialized forward
+    allocated a buffer per residual that plain training does not, and a name held for the
+    tensor before the write read it unwritten. The trace keeps the write in place on the
+    tensor and the rebinding on the int, and the plan trains as plain does."""
+    import copy
+    import operator
+
+    from lightning_remat import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(AugmentedBlock() for _ in range(4)))
+    x = torch.randn(8, 4, 16, 16)
+    traced = trace_module(model, (x,))
+    assert traced.kind == "fx"
+    targets = {n.name: n.target for n in traced.gm.graph.nodes}
+    writes = [name for name, target in targets.items() if target is operator.iadd]
+    assert len(writes) == 4, targets  # the residuals; the int's += is an add again
+    from lightning_remat.graph.ops import inplace_operands
+
+    written = inplace_operands(traced.graph)
+    assert all(traced.graph[written[v]].op == "BatchNorm2d" for v in writes), written
+    with torch.no_grad():
+        assert torch.equal(traced.gm(x.clone()), model(x.clone()))
+
+    plain = copy.deepcopy(model)
+    remat_model = remat(model, x, "75%")
+    assert remat_model.plan.count("recompute") > 0
+    for module in (plain, remat_model):
+        module(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    for p, q in zip(plain.buffers(), model.buffers()):
+        assert torch.equal(p, q)

@@ -39,6 +39,7 @@ profile and executor alike.
 from __future__ import annotations
 
 import linecache
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,8 +56,9 @@ from lightning_remat.device import is_sharded_unit
 from lightning_remat.errors import SideEffectError
 
 __all__ = [
-    "ModuleState", "OncePerStep", "StateChange", "StateTracer", "call_with_hooks", "has_forward_hooks",
-    "preserved_state", "preserved_training_state", "state_write_target", "trace_keeping_state",
+    "AUGMENTED_ASSIGNMENTS", "AugmentedProxy", "ModuleState", "OncePerStep", "StateChange", "StateTracer", "call_with_hooks", "has_forward_hooks",
+    "augmented_out_of_place", "preserved_state", "preserved_training_state", "state_write_target",
+    "trace_keeping_state",
     "write_buffer",
 ]
 
@@ -226,11 +228,65 @@ class _BufferWrites(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+AUGMENTED_ASSIGNMENTS = {
+    "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
+    "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior,
+    "__ixor__": operator.ixor, "__ilshift__": operator.ilshift, "__irshift__": operator.irshift,
+    "__imatmul__": operator.imatmul,
+}
+"""Python's augmented assignments and the ``operator`` function each is. ``fx.Proxy`` has
+none of them, so Python falls back to the binary operator and ``out += identity`` is traced
+as ``out + identity``: a new tensor where the forward wrote in place (docs/design.md
+section 5, "Augmented assignment is in place")."""
+
+
+class AugmentedProxy(fx.Proxy):
+    """An ``fx.Proxy`` that traces ``a += b`` as ``operator.iadd(a, b)``, as the forward runs
+    it: on a tensor it writes in place. On an immutable value (an int) the traced graph
+    must not: :func:`augmented_out_of_place` turns those back into ``a + b`` once the graph
+    ran on the example input."""
+
+
+def _augmented(target: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", target, (self, other), {})
+
+    return method
+
+
+for _name, _target in AUGMENTED_ASSIGNMENTS.items():
+    setattr(AugmentedProxy, _name, _augmented(_target))
+
+
+def augmented_out_of_place(graph: fx.Graph, kind: dict[str, str]) -> int:
+    """Turn each augmented assignment traced in place (:class:`AugmentedProxy`) whose
+    operand was not a tensor on the example input (``kind``: node name -> ``tensor``,
+    ``tensors`` or ``other``, ``graph.vertices.ValueRecorder``) into the binary operator:
+    ``n += 1`` on an int rebinds ``n`` and leaves the value its other readers hold, which
+    fx's generated ``n += 1`` would not. Returns how many were turned."""
+    out_of_place = {target: getattr(operator, name.replace("__i", "__", 1))
+                    for name, target in AUGMENTED_ASSIGNMENTS.items()}
+    turned = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in out_of_place or not node.args:
+            continue
+        operand = node.args[0]
+        if isinstance(operand, fx.Node) and kind.get(operand.name) != "tensor":
+            node.target = out_of_place[node.target]
+            turned += 1
+    return turned
+
+
 class StateTracer(fx.Tracer):
     """``fx.Tracer`` that leaves the traced module as it found it and records what its
     forward changes (:attr:`changes`, :attr:`assigned`). ``proxy_buffers``: buffers are
     graph values, so in-place updates of them are graph nodes. ``leaf``: more modules to keep
-    whole (FSDP units); a module with forward hooks is always one."""
+    whole (FSDP units); a module with forward hooks is always one. Augmented assignments are
+    traced as the in-place ops they are (:class:`AugmentedProxy`)."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return AugmentedProxy(node, self)
 
     def __init__(self, proxy_buffers: bool = False, leaf: Callable[[nn.Module], bool] | None = None) -> None:
         super().__init__()

@@ -60,6 +60,7 @@ from lightning_remat.device import fsdp_unit_types, is_sharded_unit
 from lightning_remat.errors import SideEffectError, TraceError, warn_caller
 from lightning_remat.graph.effects import (
     ModuleState,
+    augmented_out_of_place,
     preserved_state,
     trace_keeping_state,
 )
@@ -356,11 +357,16 @@ def _checked(module: nn.Module, traced: Traced, inputs: tuple[Any, ...], kwargs:
     """``traced`` with its vertex graph, once its graph was run on the example input and
     gave what ``module(...)`` gives."""
     gm = traced.runner
-    readers_follow_inplace(gm)
     args = traced.call_args(inputs, kwargs)
     recorder = ValueRecorder(gm)
     expected, got = _compare_runs(module, lambda: module(*inputs, **kwargs),
                                   lambda: call_through(module, lambda: recorder.run(*args)), devices)
+    # The interpreter ran each node on values, so the run is right before the graph is: an
+    # augmented assignment on an int becomes a binary op again, then the readers of a tensor
+    # written in place read the write.
+    if augmented_out_of_place(gm.graph, recorder.kind):
+        gm.recompile()
+    readers_follow_inplace(gm)
     if not _same(expected, got):
         raise RuntimeError(
             "the traced graph's output differs from module(...) on the example input "
