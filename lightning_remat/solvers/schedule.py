@@ -58,7 +58,8 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import inplace_operands, random_vertices
 from lightning_remat.solvers.plan import Plan
 
-__all__ = ["Schedule", "ScheduleParts", "StageSchedule", "Step", "data_edges", "make_schedule", "order_note"]
+__all__ = ["Schedule", "ScheduleParts", "StageSchedule", "Step", "data_edges", "make_schedule", "order_note",
+           "rewrite_seconds"]
 
 
 def data_edges(graph: Graph) -> list[tuple[str, str]]:
@@ -244,17 +245,18 @@ def make_schedule(graph: Graph, plan: Plan, *, whole_stages: bool = False,
                           reached=vs if a == "recompute" else ())
             for a, vs in zip(actions, ordered)), whole_stages=True)
     stage_of = {v: k for k, vs in enumerate(ordered) for v in vs}
-    rewritten = _rewritten(parts, stage_of, actions)
+    always, for_policy = _rewritten(parts, stage_of, actions)
+    rewritten = always | for_policy
     plain = set()
     for k, vertices in enumerate(ordered):
         if actions[k] == "recompute" and not keep_boundaries and _plain_checkpoint_is_cheaper(
                 graph, vertices, _boundary(parts, stage_of, k, vertices, rewritten),
-                _reached(parts, vertices), parts):
+                _reached(parts, vertices), parts, [v for v in vertices if v in for_policy]):
             plain.add(k)
     if plain:
         # A stage under plain checkpoint keeps no value for the policy to hand on, so only
         # the in-place ops whose overwritten value a recomputation reads run out of place.
-        rewritten = _rewritten(parts, stage_of, actions, plain)
+        rewritten = always | {v for v in for_policy if stage_of[v] not in plain}
     stages = []
     for k, vertices in enumerate(ordered):
         if actions[k] != "recompute":
@@ -297,13 +299,15 @@ def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]
 
 
 def _plain_checkpoint_is_cheaper(graph: Graph, vertices: tuple[str, ...], kept: frozenset[str],
-                                 reached: tuple[str, ...], parts: ScheduleParts) -> bool:
+                                 reached: tuple[str, ...], parts: ScheduleParts,
+                                 policy_rewrites: list[str] | tuple[str, ...] = ()) -> bool:
     """Whether a recomputed stage runs under plain checkpoint rather than keep its boundary
     (the module docstring's **kept**): where plain checkpoint's early stop runs none of the
     kept values again (each lies after the last saving op, or is that op and only packs its
     inputs), or where the forward time of those it would run again is less than what the
     selective policy costs on the stage's ops (``meta.recompute_vertex_seconds`` per
-    vertex, docs/design.md section 4.7). A value run again rather than kept takes no more
+    vertex, docs/design.md section 4.7) and on the in-place ops it alone makes run out of
+    place (``policy_rewrites``, each charged as :func:`rewrite_seconds` says). A value run again rather than kept takes no more
     memory: kept, it is held from the forward to the recomputation; run again, it is made
     when the recomputation reaches it, its readers' backward done (a model output, which
     the step may hold to its end, stays kept)."""
@@ -314,7 +318,17 @@ def _plain_checkpoint_is_cheaper(graph: Graph, vertices: tuple[str, ...], kept: 
     if any(v in parts.outputs for v in again):
         return False  # the step may hold its outputs: run again, one would be made twice
     per_vertex = float(graph.meta.recompute_vertex_seconds or 0.0)
-    return sum(graph[v].t_fwd for v in again) < per_vertex * len(vertices)
+    policy = per_vertex * len(vertices) + sum(rewrite_seconds(graph, v) for v in policy_rewrites)
+    return sum(graph[v].t_fwd for v in again) < policy
+
+
+def rewrite_seconds(graph: Graph, v: str) -> float:
+    """What running the in-place op ``v`` out of place costs beyond running it in place,
+    each time it runs (docs/design.md section 4.7): its own forward time, an upper bound.
+    The op writes a buffer it allocates rather than the one it reads; on a 2-core CPU, ReLU
+    and addition out of place took 0.2 to 0.65 of the in-place op's time more, about
+    the time to touch the new buffer's pages."""
+    return float(graph[v].t_fwd)
 
 
 def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
@@ -345,12 +359,13 @@ def _saves_inputs_only(graph: Graph, saving: frozenset[str]) -> frozenset[str]:
     return frozenset(found)
 
 
-def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str],
-               plain: set[int] | frozenset[int] = frozenset()) -> set[str]:
-    """The in-place ops that run out of place under a plan (the module docstring's rule;
-    in a stage of ``plain``, under plain checkpoint, not for a value crossing its boundary)."""
+def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str]) -> tuple[set[str], set[str]]:
+    """The in-place ops that run out of place under a plan (the module docstring's rule):
+    those rewritten whatever runs its stage, and those rewritten only because their stage
+    keeps values under the selective policy (the op's result, or a value in the storage it
+    writes, crosses the boundary), which a stage under plain checkpoint runs in place."""
     if not parts.inplace:
-        return set()
+        return set(), set()
     recomputed = [a == "recompute" for a in actions]
     succ, position = parts.succ, parts.position
 
@@ -358,6 +373,7 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
         return x in parts.outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
 
     rewritten: set[str] = set()
+    for_policy: set[str] = set()
     for v, t in parts.inplace.items():
         s = stage_of[v]
         if t is None:  # a step input: a recomputation must read it unmodified
@@ -375,11 +391,11 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
                 or any(w != v and stage_of[w] != s
                        and (recomputed[stage_of[w]]
                             or (position[w] < position[v]) != (stage_of[w] < s))
-                       for x in held for w in succ[x])
-                or (recomputed[s] and s not in plain
-                    and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)))):
+                       for x in held for w in succ[x])):
             rewritten.add(v)
-    return rewritten
+        elif recomputed[s] and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)):
+            for_policy.add(v)
+    return rewritten, for_policy
 
 
 def order_note(graph: Graph, plan: Plan) -> str:

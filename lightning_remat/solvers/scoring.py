@@ -10,7 +10,7 @@ import mmap
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
-from lightning_remat.solvers.schedule import Schedule, make_schedule
+from lightning_remat.solvers.schedule import Schedule, make_schedule, rewrite_seconds
 from lightning_remat.solvers.simulate import simulate
 
 __all__ = [
@@ -160,9 +160,13 @@ def executor_seconds(graph: Graph, schedule: Schedule) -> float:
     """The executor's own time under a schedule: :func:`stage_overhead_seconds` for each
     recomputed stage, with its vertices where it keeps values (its selective policy sees
     every op of it), with none where it keeps nothing (plain checkpoint runs no Python per
-    op)."""
-    return sum(stage_overhead_seconds(graph, len(s.vertices) if s.kept else 0) for s in schedule.stages
-               if s.action == "recompute")
+    op); and for each in-place op it runs out of place, :func:`~.schedule.rewrite_seconds`
+    each time the op runs (in the forward, and again where its stage recomputes it)."""
+    policy = sum(stage_overhead_seconds(graph, len(s.vertices) if s.kept else 0) for s in schedule.stages
+                 if s.action == "recompute")
+    rewrites = sum(rewrite_seconds(graph, v) * (1 + (v in s.recomputed))
+                   for s in schedule.stages for v in s.rewritten)
+    return policy + rewrites
 
 
 def plain_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:

@@ -44,6 +44,7 @@ class GraphBits:
     gradients: np.ndarray  # int64 gradient and transient bytes at each op's backward peak
     view: np.ndarray  # bool: the output is a view of another vertex's storage
     overwritten: np.ndarray  # bool: the only reader of the output is an in-place op on it
+    inplace_time: np.ndarray  # float64 t_fwd of in-place ops on a vertex's value, else 0
 
     @property
     def n(self) -> int:
@@ -94,6 +95,7 @@ def graph_bits(graph: Graph) -> GraphBits:
         view=np.array([v in costs.views for v in ids], dtype=bool),
         overwritten=np.array([v not in outputs and len(readers[v]) == 1 and inplace.get(readers[v][0]) == v
                               for v in ids], dtype=bool),
+        inplace_time=np.array([float(n.t_fwd) if inplace.get(n.id) is not None else 0.0 for n in graph.nodes]),
     )
 
 

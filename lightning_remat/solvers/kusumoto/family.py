@@ -117,6 +117,7 @@ class LowerSetFamily:
         self.extra_set = member.astype(np.int64) @ bits.extra
         self.held_kept = kept.astype(np.int64) @ (bits.size + bits.extra)
         self.time_kept = kept.astype(np.float64) @ bits.keepable_time
+        self.rewrite_kept = kept.astype(np.float64) @ bits.inplace_time
         self.count_set = member.sum(axis=1, dtype=np.int64)
         self.output_set = (member & bits.output).sum(axis=1, dtype=np.int64)
 
@@ -131,7 +132,7 @@ class LowerSetFamily:
         the forward time of what it recomputes (eq. 1: ``time(Vi \\ B(Li))``, 0 for the last
         stage), and the executor's own time for the stage (``simulate.stage_overhead_seconds``,
         0 for the last). A stage whose kept values cost less to run again than the selective
-        policy on its ops runs under plain checkpoint (``solvers.schedule``): its extra time
+        policy on its ops (and on its kept in-place ops, which the policy runs out of place) runs under plain checkpoint (``solvers.schedule``): its extra time
         is then the whole stage's, and its own time ``c_stage`` alone. See the package docstring for the stage memory."""
         hit = self._cache.get(j)
         if hit is not None:
@@ -144,9 +145,11 @@ class LowerSetFamily:
             inside = self.member[np.ix_(sources, kept_idx)]
             kept_before = inside.astype(np.int64) @ (bits.size + bits.extra)[kept_idx]
             time_before = inside.astype(np.float64) @ bits.keepable_time[kept_idx]
+            rewrite_before = inside.astype(np.float64) @ bits.inplace_time[kept_idx]
         else:
             kept_before = np.zeros(sources.size, dtype=np.int64)
             time_before = np.zeros(sources.size, dtype=np.float64)
+            rewrite_before = time_before
         last = j == self.size - 1
         if self.simulated:
             stage_mem, cache_add = self._simulated_costs(sources, j)
@@ -171,8 +174,11 @@ class LowerSetFamily:
             # running its kept values again costs less than the selective policy on its
             # ops, and none is a model output, it runs under plain checkpoint and runs them
             # again (``solvers.schedule``, as the executor does).
+            # The policy's time includes the in-place ops among the kept values, which it
+            # runs out of place (``schedule.rewrite_seconds``).
             per_vertex = stage_overhead_seconds(bits.graph, 1) - stage_overhead_seconds(bits.graph, 0)
-            policy = (self.count_set[j] - self.count_set[sources]) * per_vertex
+            policy = ((self.count_set[j] - self.count_set[sources]) * per_vertex
+                      + self.rewrite_kept[j] - rewrite_before)
             plain = (self.output_set[j] == self.output_set[sources]) & (kept_time < policy)
             extra_time = np.maximum(stage_time - np.where(plain, 0.0, kept_time), 0.0)
             overhead = stage_overhead_seconds(bits.graph, 0) + np.where(plain, 0.0, policy)
