@@ -48,17 +48,21 @@ def is_cuda(device: Any) -> bool:
 
 
 @contextmanager
-def collector_settled() -> Iterator[None]:
+def collector_settled(collect: bool = True) -> Iterator[None]:
     """One garbage collection, then the objects alive now out of the collector's reach
     (``gc.freeze``) until the block ends, for a block that measures many steps (the
-    batch-size search): the CPU meter collects garbage before every measured step
+    batch-size search, planning): the CPU meter collects garbage before every measured step
     (:func:`peak_bytes`), which with a Trainer's objects in reach takes a large part of a
-    second. Where objects are frozen already (the caller's own, or an enclosing block's),
-    nothing changes: unfreezing would thaw them too."""
+    second. ``collect=False`` freezes without collecting first: garbage from before the
+    block is then kept, not freed, until it ends, which is all a meter needs (nothing from
+    before is freed inside a measured step) and costs nothing. Where objects are frozen
+    already (the caller's own, or an enclosing block's), nothing changes: unfreezing would
+    thaw them too."""
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.freeze()
     try:
         yield
@@ -96,9 +100,14 @@ def peak_bytes(fn: Callable[[], Any], device: str | torch.device = "cpu") -> int
         peak.start()
         fn()
         return peak.stop()
-    gc.collect()  # garbage from before would be freed during fn: never counted, never subtracted
-    with step_meter(torch.device(device).type) as meter:
-        fn()
+    # Garbage from before freed during fn would be never counted, never subtracted: it is
+    # out of the collector's reach (frozen) while fn runs, and what was made since an
+    # enclosing block froze the rest (planning's) is collected first, which costs a
+    # collection of those objects only, not of every object in the process.
+    with collector_settled(collect=False):
+        gc.collect()
+        with step_meter(torch.device(device).type) as meter:
+            fn()
     return int(meter.peak)
 
 

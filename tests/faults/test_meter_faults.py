@@ -3,6 +3,7 @@ allocator behaves as without the package, and no global setting stays changed.""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -77,6 +78,11 @@ def _global_settings() -> dict:
         "default_dtype": torch.get_default_dtype(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "dispatch_modes": list(_get_current_dispatch_mode_stack()),
+        # Planning puts the objects alive when it starts out of the collector's reach while
+        # it measures, and hands them back.
+        "gc_enabled": gc.isenabled(),
+        "gc_frozen": gc.get_freeze_count(),
+        "gc_threshold": gc.get_threshold(),
     }
 
 
