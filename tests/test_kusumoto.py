@@ -474,3 +474,37 @@ def test_exact_tc_sees_a_stage_the_schedule_runs_under_plain_checkpoint():
     budget = budget_for(0.75, graph)
     assert min(peak for peak, _ in all_strategies(graph)) <= budget
     assert solve_exact_tc(graph, budget).feasible
+
+
+def test_a_pair_of_lower_sets_is_simulated_once_for_every_family_over_a_graph(monkeypatch):
+    """The simulated stage costs are kept per pair of lower sets for the graph's memory: a
+    family whose sets another family over the graph has simulated (the approximate family
+    inside the whole ancestor family) runs no simulation, and its costs, so its smallest
+    budget and its DP, are those it finds alone."""
+    import numpy as np
+
+    from lightning_remat.solvers.kusumoto import family as family_mod
+    from lightning_remat.solvers.kusumoto.bits import ancestor_sets, approximate_sets, graph_bits
+
+    graph = Graph.load(Path(__file__).parent / "data" / "generated_seed101_len10.json")
+    bits = graph_bits(graph)
+    simulations: list[int] = []
+
+    def counted(*args, **kwargs):
+        simulations.append(1)
+        return family_mod.stage_cost.__wrapped__(*args, **kwargs)
+
+    counted.__wrapped__ = family_mod.stage_cost
+    monkeypatch.setattr(family_mod, "stage_cost", counted)
+    alone = family_mod.LowerSetFamily(bits, approximate_sets(bits), simulated=True)
+    need_alone = alone.finish_need().copy()
+    assert len(simulations) > 0
+    shared = family_mod.SimulatedPairs()
+    whole = family_mod.LowerSetFamily(bits, ancestor_sets(bits), simulated=True, simulated_pairs=shared)
+    whole.finish_need()
+    simulations.clear()
+    pruned = family_mod.LowerSetFamily(bits, approximate_sets(bits), simulated=True, simulated_pairs=shared)
+    assert np.array_equal(pruned.finish_need(), need_alone)
+    assert simulations == []
+    for j in range(1, pruned.size):
+        assert all(np.array_equal(a, b) for a, b in zip(pruned.transitions(j), alone.transitions(j)))

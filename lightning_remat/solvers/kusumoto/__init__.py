@@ -71,7 +71,7 @@ from lightning_remat.solvers.kusumoto.bits import (
     graph_bits,
     prefix_sets,
 )
-from lightning_remat.solvers.kusumoto.family import LowerSetFamily
+from lightning_remat.solvers.kusumoto.family import LowerSetFamily, SimulatedPairs
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan, model_margin
 
@@ -185,11 +185,11 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
         sets = approximate_sets(bits, True)
     family = LowerSetFamily(bits, sets, simulated=simulated)
     if simulated:
-        memory_key = (_memory_key(graph), tuple(family.sets))
-        family.stage_memory = _STAGE_MEMORY.setdefault(memory_key, family.stage_memory)
-        _STAGE_MEMORY.move_to_end(memory_key)
-        while len(_STAGE_MEMORY) > _FAMILY_CACHE_SIZE:
-            _STAGE_MEMORY.popitem(last=False)
+        memory_key = _memory_key(graph)
+        family.simulated_pairs = _SIMULATED_PAIRS.setdefault(memory_key, family.simulated_pairs)
+        _SIMULATED_PAIRS.move_to_end(memory_key)
+        while len(_SIMULATED_PAIRS) > _FAMILY_CACHE_SIZE:
+            _SIMULATED_PAIRS.popitem(last=False)
     _FAMILY_CACHE[key] = family
     while len(_FAMILY_CACHE) > _FAMILY_CACHE_SIZE:
         _FAMILY_CACHE.popitem(last=False)
@@ -201,8 +201,8 @@ def _family(graph: Graph, exact: bool, max_lower_sets: int, simulated: bool = Fa
 # the bandwidth and the run's gradient state set).
 _COSTLESS_META = ("bandwidth_bytes_per_s", "step_seconds", "plain_peak_bytes")
 _TIME_META = ("recompute_stage_seconds", "recompute_vertex_seconds")
-_STAGE_MEMORY: OrderedDict[tuple, dict[int, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
-"""Simulated stage memory tables by the graph's memory key and the family's sets."""
+_SIMULATED_PAIRS: OrderedDict[str, SimulatedPairs] = OrderedDict()
+"""The simulated stage costs of every family over a graph, by the graph's memory key."""
 
 
 def _memory_key(graph: Graph) -> str:

@@ -57,6 +57,19 @@ def _reduce_columns(matrix: np.ndarray, keys: np.ndarray, n: int) -> np.ndarray:
 
 
 @dataclass
+class SimulatedPairs:
+    """The simulator's stage costs (``stage_costs.stage_cost``: peak above the cache, cache
+    added) per pair of lower sets, keyed by the two sets' bits, with the simulations' shared
+    state: one per graph memory (``kusumoto._family``), shared by every family over it. The
+    simulator's memory reads no time, so auto's unit-time graph and the measured one share
+    it; and a set in several families (the approximate DP's, the exact DP's, the prefixes of
+    the forward's order, which on a chain are the same sets) is simulated once."""
+
+    pairs: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    shared: SharedSteps | None = None
+
+
+@dataclass
 class LowerSetFamily:
     """Lower sets sorted by size (index 0 is {}, the last is V) with what the DP needs of
     each: ``mem(L)``, ``time(L)``, the boundary ``B(L)``, what a stage ending in L keeps."""
@@ -77,12 +90,10 @@ class LowerSetFamily:
     _cache: dict[int, tuple[np.ndarray, ...]] = field(init=False, default_factory=dict)
     _cached_entries: int = field(init=False, default=0)
     _finish_need: np.ndarray | None = field(init=False, default=None)
-    _shared: SharedSteps | None = field(init=False, default=None)
     stage_memory: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    """The simulated stage memory per target set (``_simulated_costs``), shared by the
-    families of graphs that differ only in their times (``kusumoto._family``): the
-    simulator's memory reads no time, and auto solves a graph with its measured times and
-    again with unit times."""
+    """The simulated stage memory per target set (``_simulated_costs``)."""
+    simulated_pairs: SimulatedPairs = field(default_factory=SimulatedPairs)
+    """Where ``stage_memory`` is read from, pair by pair (shared, ``kusumoto._family``)."""
 
     def __post_init__(self) -> None:
         bits = self.bits
@@ -200,18 +211,24 @@ class LowerSetFamily:
         after = [ids[i] for i in np.flatnonzero(~self.member[j])]
         stage_mem = np.zeros(sources.size, dtype=np.int64)
         cache_add = np.zeros(sources.size, dtype=np.int64)
-        if self._shared is None:
-            self._shared = SharedSteps(graph)
+        simulated = self.simulated_pairs
+        if simulated.shared is None:
+            simulated.shared = SharedSteps(graph)
+        target = self.sets[j]
         for position, source in enumerate(sources):
-            before = [ids[i] for i in np.flatnonzero(self.member[source])]
-            middle = [ids[i] for i in np.flatnonzero(self.member[j] & ~self.member[source])]
-            stages = [Stage(before, "recompute")] if before else []
-            stages.append(Stage(middle, "keep" if last else "recompute"))
-            if after:
-                stages.append(Stage(after, "keep"))
-            cost = stage_cost(graph, Plan(stages, [], 0, 0.0, "", True), 1 if before else 0, self._shared)
-            stage_mem[position] = cost.peak_above_cache
-            cache_add[position] = cost.cache_bytes
+            key = (self.sets[source], target)
+            known = simulated.pairs.get(key)
+            if known is None:
+                before = [ids[i] for i in np.flatnonzero(self.member[source])]
+                middle = [ids[i] for i in np.flatnonzero(self.member[j] & ~self.member[source])]
+                stages = [Stage(before, "recompute")] if before else []
+                stages.append(Stage(middle, "keep" if last else "recompute"))
+                if after:
+                    stages.append(Stage(after, "keep"))
+                cost = stage_cost(graph, Plan(stages, [], 0, 0.0, "", True), 1 if before else 0,
+                                  simulated.shared)
+                known = simulated.pairs[key] = (cost.peak_above_cache, cost.cache_bytes)
+            stage_mem[position], cache_add[position] = known
         self.stage_memory[j] = stage_mem, cache_add
         return stage_mem, cache_add
 
