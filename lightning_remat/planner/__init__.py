@@ -338,10 +338,9 @@ class Planner(FirstStepCheck, StoredPlans):
         needs_plan = entry is None and repr(key) not in self.agreed
         # Planning measures many steps, and the CPU meter collects garbage before each: with
         # the objects alive now out of the collector's reach until the plan is made, each of
-        # those collections meets only what planning itself made (a full one took 0.4 s in
-        # a process holding torch, three of them 43% of planning a small CNN; 0.5 s in a
-        # test process). Garbage from before is kept, not freed, meanwhile: no measured
-        # step sees it go.
+        # those collections meets only what planning itself made, not every object in the
+        # process (docs/design.md section 6). Garbage from before is kept, not freed,
+        # meanwhile: no measured step sees it go.
         if self.ranks is not None and self.ranks.any(needs_plan):
             with collector_settled(collect=False):
                 self._agree(args, kwargs, key if needs_plan else None)
