@@ -302,6 +302,42 @@ def test_one_stages_cost_alone_equals_the_whole_steps_fold(seed):
             assert stage_cost(g, plan, k, shared) == whole[k], (k, [s.action for s in plan.stages])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_plans_scored_in_one_unchanged_scope_are_predicted_as_alone_and_a_later_change_is_seen(seed):
+    """Inside ``unchanged(graph)`` (what ``solve``, ``min_budget`` and the budget policy run
+    in) the simulations of a graph share one ``SharedSteps`` and one simulated plain step;
+    every plan's predicted peak and margin are still those it gets scored alone (recomputed,
+    offloaded and whole stages alike). Once the scope ends, a change to the graph is seen."""
+    import copy
+
+    from lightning_remat.solvers import solve
+    from lightning_remat.solvers.scoring import model_margin
+    from lightning_remat.solvers.simulate import shared_steps, unchanged
+
+    g = random_dag(60, seed)
+    g.meta.device = "cpu"  # the CPU margin reads the simulated plain step's mapped buffers
+    g.meta.mapped_buffer_bytes = 64
+    ids = g.ids
+    shapes = [([(ids[:20], "recompute"), (ids[20:40], "offload"), (ids[40:], "keep")], False),
+              ([(ids[i:i + 7], "recompute") for i in range(0, 60, 7)], False),
+              ([(ids[:30], "recompute"), (ids[30:], "keep")], True)]
+
+    def scored() -> list[tuple[int, int]]:
+        plans = [make_plan(g, stages, "t", whole_stages=whole) for stages, whole in shapes]
+        return [(p.predicted_peak_bytes, p.margin_bytes) for p in plans]
+
+    alone = scored()
+    with unchanged(g):
+        assert shared_steps(g) is shared_steps(g)
+        assert scored() == alone and scored() == alone
+    assert shared_steps(g) is not shared_steps(g)
+
+    solve(g, None, "chen")
+    before = model_margin(g)
+    g.meta.mapped_buffer_bytes = 1
+    assert model_margin(g) == model_margin(copy.deepcopy(g)) != before
+
+
 def test_a_reader_of_only_the_shape_keeps_nothing_alive():
     """``c`` reads ``b`` and only ``a``'s shape (``meta.shape_edges``): a recomputed stage
     [a, b] keeps only ``b`` for the next stage, and in the plain step ``a`` dies when ``b``

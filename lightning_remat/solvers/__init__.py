@@ -25,7 +25,7 @@ from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers import auto, beaumont, chen, feng, hong, kusumoto
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.scoring import make_plan, plain_plan, solve_plain
-from lightning_remat.solvers.simulate import simulate
+from lightning_remat.solvers.simulate import simulate, unchanged
 
 __all__ = [
     "SOLVERS", "Paper", "Plan", "SolverEntry", "Stage", "fits", "get_solver", "make_plan",
@@ -144,13 +144,14 @@ def fits(plan: Plan, budget_bytes: int | None) -> bool:
 def solve(graph: Graph, budget_bytes: int | None, solver: str = "auto", **options: Any) -> Plan:
     """Plan for a budget; raise RematInfeasibleError (with the smallest feasible budget)
     when the solver's plan does not fit it (see :func:`fits`)."""
-    try:
-        plan = get_solver(solver)(graph, budget_bytes, **options)
-    except SolverDeclinedError as declined:
-        raise declined.for_solver(budget_bytes, solver) from None
-    if not fits(plan, budget_bytes):
-        raise RematInfeasibleError(budget_bytes or 0, min_budget(graph, solver, **options), solver)
-    return plan
+    with unchanged(graph):
+        try:
+            plan = get_solver(solver)(graph, budget_bytes, **options)
+        except SolverDeclinedError as declined:
+            raise declined.for_solver(budget_bytes, solver) from None
+        if not fits(plan, budget_bytes):
+            raise RematInfeasibleError(budget_bytes or 0, min_budget(graph, solver, **options), solver)
+        return plan
 
 
 def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
@@ -161,7 +162,8 @@ def min_budget(graph: Graph, solver: str = "auto", **options: Any) -> int:
     budget raises :class:`~lightning_remat.errors.SolverDeclinedError` (a
     ``RematInfeasibleError``) saying why and what to use instead."""
     try:
-        return _min_budget(graph, solver_entry(solver), **options)
+        with unchanged(graph):
+            return _min_budget(graph, solver_entry(solver), **options)
     except SolverDeclinedError as declined:
         raise declined.for_solver(None, solver) from None
 

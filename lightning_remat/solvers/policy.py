@@ -19,6 +19,7 @@ from lightning_remat.solvers.kusumoto import solve_in_forward_order
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import order_note
 from lightning_remat.solvers.scoring import make_plan
+from lightning_remat.solvers.simulate import unchanged
 
 __all__ = [
     "accepted_plan", "check_solver_for_device", "every_submodule_recomputed", "has_host_memory",
@@ -154,12 +155,14 @@ def accepted_plan(graph: Graph, budget: int | None, solver: str, options: dict[s
     :class:`~lightning_remat.errors.RematInfeasibleError` naming the smallest budget this very
     function accepts (:func:`smallest_budget`), so that budget, given, is."""
     try:
-        return plan_for(graph, budget, solver, options, per_submodule)
+        with unchanged(graph):
+            return plan_for(graph, budget, solver, options, per_submodule)
     except SolverDeclinedError:
         raise  # no budget makes the solver plan this graph; the error names another
     except RematInfeasibleError as exc:
         assert budget is not None
-        least = smallest_budget(graph, solver, options, per_submodule)
+        with unchanged(graph):
+            least = smallest_budget(graph, solver, options, per_submodule)
         raise RematInfeasibleError(budget, least, exc.tried) from None
 
 

@@ -11,7 +11,7 @@ import mmap
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
 from lightning_remat.solvers.schedule import Schedule, make_schedule, rewrite_seconds
-from lightning_remat.solvers.simulate import simulate
+from lightning_remat.solvers.simulate import plain_simulated, shared_steps, simulate
 
 __all__ = [
     "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "HEAP_BYTES_PER_MAPPED_BUFFER", "HEAP_BYTES_PER_VERTEX",
@@ -55,7 +55,7 @@ def make_plan(
         notes=list(notes or []),
     )
     plan.validate(graph)
-    schedule = make_schedule(graph, plan, whole_stages=whole_stages)
+    schedule = make_schedule(graph, plan, whole_stages=whole_stages, parts=shared_steps(graph).parts)
     if extra_seconds is None:
         plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
     plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
@@ -126,7 +126,7 @@ def model_margin(graph: Graph, expandable: bool | None = None) -> int:
         if not (expandable_segments() if expandable is None else expandable):
             margin += CUDA_UNSPLIT_BYTES * sum(1 for node in graph.nodes if node.mem > CUDA_UNSPLIT_BYTES)
         return margin + measured_excess
-    held = simulate(graph).mapped_buffers
+    held = plain_simulated(graph).mapped_buffers
     page = int(graph.meta.page_bytes or mmap.PAGESIZE)
     return ((SMALL_TENSOR_BYTES + HEAP_BYTES_PER_VERTEX) * n + page * _mapped_buffers(graph, held)
             + HEAP_BYTES_PER_MAPPED_BUFFER * held + measured_excess)

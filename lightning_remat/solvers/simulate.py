@@ -82,6 +82,9 @@ storage bookkeeping across modules.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from lightning_remat.graph.ir import Graph
@@ -144,6 +147,56 @@ class SharedSteps:
         return found
 
 
+_UNCHANGED: ContextVar[dict[int, tuple[Graph, dict[str, Any]]] | None] = ContextVar("unchanged_graphs", default=None)
+"""The graphs a running :func:`unchanged` scope holds, by identity, each with what its
+simulations share."""
+
+
+@contextmanager
+def unchanged(graph: Graph) -> Iterator[None]:
+    """While this runs, ``graph`` is not changed (a solver, a pure function over it, plans
+    for one budget): every simulation of it shares one :class:`SharedSteps` and one
+    simulated plain step (:func:`shared_steps`, :func:`plain_simulated`), as a DP's own
+    loops already do. Nested scopes over the same graph are one."""
+    held = _UNCHANGED.get() or {}
+    if held.get(id(graph), (None,))[0] is graph:
+        yield
+        return
+    token = _UNCHANGED.set({**held, id(graph): (graph, {})})
+    try:
+        yield
+    finally:
+        _UNCHANGED.reset(token)
+
+
+def _scoped(graph: Graph) -> dict[str, Any] | None:
+    entry = (_UNCHANGED.get() or {}).get(id(graph))
+    return entry[1] if entry is not None and entry[0] is graph else None
+
+
+def shared_steps(graph: Graph) -> SharedSteps:
+    """The :class:`SharedSteps` of ``graph``: an :func:`unchanged` scope's, else a new one."""
+    scope = _scoped(graph)
+    if scope is None:
+        return SharedSteps(graph)
+    steps = scope.get("steps")
+    if steps is None:
+        steps = scope["steps"] = SharedSteps(graph)
+    return steps
+
+
+def plain_simulated(graph: Graph) -> Timeline:
+    """:func:`simulate` of the plain plan, once per :func:`unchanged` scope (a caller must
+    not change the timeline)."""
+    scope = _scoped(graph)
+    if scope is None:
+        return simulate(graph)
+    timeline = scope.get("plain")
+    if timeline is None:
+        timeline = scope["plain"] = simulate(graph)
+    return timeline
+
+
 def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False,
              schedule: Schedule | None = None) -> Timeline:
     """Predicted live bytes after every op of one training step under ``plan`` (the plain
@@ -154,7 +207,7 @@ def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = Fal
     keeping its boundary."""
     if not graph.ids:
         return Timeline()
-    return StepSimulation(graph, plan, whole_stages, schedule=schedule).run()
+    return StepSimulation(graph, plan, whole_stages, shared=shared_steps(graph), schedule=schedule).run()
 
 
 class StepSimulation(VertexFacts):
