@@ -44,6 +44,7 @@ from lightning_remat.solvers.kusumoto import (
 )
 from lightning_remat.solvers.plan import Plan
 from lightning_remat.solvers.scoring import make_plan
+from lightning_remat.solvers.simulate import unchanged
 
 __all__ = ["min_budget_solve_auto", "solve_auto"]
 
@@ -174,8 +175,14 @@ def _anchors(graph: Graph, options: dict[str, Any], budget: int | None = None) -
     then depends on the measured bytes only. With measured times, two profiles of the same
     model (same bytes, times a few percent apart) named budgets up to 7% apart, so the
     budget one profile named was refused by the next."""
+    unit = _unit_times(graph)
+    with unchanged(unit):  # every plan below is scored on it
+        return _anchors_on(graph, unit, options, budget)
+
+
+def _anchors_on(real: Graph, graph: Graph, options: dict[str, Any], budget: int | None) -> list[tuple[int, Plan]]:
+    """:func:`_anchors` of ``real``, whose unit-time copy is ``graph``."""
     kusumoto_options = _kusumoto_options(options)
-    real, graph = graph, _unit_times(graph)
     lo = int(min_budget_solve_approx_tc(graph, **kusumoto_options))
     offload = None
     if options.get("allow_offload", True):
