@@ -100,15 +100,16 @@ def test_a_difference_within_five_points_or_within_noise_is_no_error() -> None:
     assert time_error(0.30, StepTimes(plain, plain + 0.10)) == pytest.approx(-0.20)
 
 
-def _chain_planner(step_times, budget: str = "75%") -> tuple[Planner, torch.Tensor]:
+def _chain_planner(step_times, budget: str = "75%", stage_seconds: float = 0.0) -> tuple[Planner, torch.Tensor]:
     """A chain of 16 Linear and Tanh layers and its planner, its op times set (one op in
     eight costly, which free stages split around to keep it) and the executor's own time
-    profiled as none, so that a measured time per stage changes the DP's choice."""
+    profiled as ``stage_seconds`` per stage (none per vertex), so that a measured time per
+    stage changes the DP's choice."""
     from lightning_remat.graph.profile import profile_module
 
     def profiled(module, args, kwargs, traced) -> Graph:
         graph = profile_module(module, args, example_kwargs=kwargs or None, traced=traced, repeats=1)
-        graph.meta.recompute_stage_seconds = graph.meta.recompute_vertex_seconds = 0.0
+        graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = stage_seconds, 0.0
         for i, node in enumerate(graph.nodes):  # the DP's choice not left to this machine's timings
             node.t_fwd = 0.1 if i % 8 == 4 else 1e-3  # a costly op a stage boundary can keep
             node.t_bwd = 2 * node.t_fwd
@@ -150,8 +151,9 @@ def test_a_step_off_its_predicted_time_is_planned_again_with_corrected_times_onc
     """Measured (injected) at half a second per recomputed stage more than predicted: the
     graph's stage time is corrected so that the first plan's stages predict the
     measurement, the plan is the solver's on the corrected graph (fewer recomputed stages,
-    no slower by the corrected model), one warning says so, the budget still holds, the
-    step is timed once per input key, and the model trains as the plain model does."""
+    no slower by the corrected model, and timed before it is taken: faster than the first),
+    one warning says so, the budget still holds, the step is timed once per input key (and
+    the plan chosen again once), and the model trains as the plain model does."""
     calls: list[int] = []
 
     def slow(plain, planned, device) -> StepTimes:
@@ -159,6 +161,8 @@ def test_a_step_off_its_predicted_time_is_planned_again_with_corrected_times_onc
         plain()
         planned()  # each step runs, leaving the module as it was
         first = first_plans[-1]
+        if len(calls) % 2 == 0:  # the plan chosen again: as its first plan was predicted
+            return StepTimes(1.0, 1.0 + first.predicted_extra_seconds, 0.0)
         return StepTimes(1.0, 1.0 + first.predicted_extra_seconds + 0.5 * first.count("recompute"), 0.0)
 
     planner, x = _chain_planner(slow)
@@ -168,7 +172,7 @@ def test_a_step_off_its_predicted_time_is_planned_again_with_corrected_times_onc
         planner.last = planner.planned_for((x,), {})
     said = [str(w.message) for w in caught if "planned step took" in str(w.message)]
     assert len(said) == 1 and "chosen again" in said[0], said
-    assert calls == [1]
+    assert calls == [1, 1]
     graph, plan = planner.last.graph, planner.last.plan
     first = first_plans[0]
     measured = first.predicted_extra_seconds + 0.5 * first.count("recompute")
@@ -179,9 +183,53 @@ def test_a_step_off_its_predicted_time_is_planned_again_with_corrected_times_onc
     assert plan.guaranteed_peak_bytes <= planner.last.budget_bytes
     assert planner.last.measured_peak_bytes <= planner.last.budget_bytes
     _trains_as(planner, reference, x)
-    assert calls == [1]  # the same input is not timed again
+    assert calls == [1, 1]  # the same input is not timed again
     planner.planned_for((x[:256],), {})
-    assert calls == [1, 1]  # a new input is
+    assert calls == [1, 1, 1, 1]  # a new input is
+
+
+def test_a_plan_chosen_again_that_measures_no_faster_is_not_taken(first_plans) -> None:
+    """The first step measured (injected) no slower than plain, far under its prediction
+    (a slow spell on the plain step): the times corrected to that make running ops again
+    look free, and the plan chosen with them recomputes more stages. Timed before it is
+    taken, that plan measures slower than the first: the first plan and the profiled times
+    are kept, the plan's notes say so, no warning, and the model trains as the plain model
+    does."""
+    calls: list[int] = []
+
+    def noisy(plain, planned, device) -> StepTimes:
+        calls.append(1)
+        plain()
+        planned()
+        first = first_plans[-1]
+        base = first.predicted_extra_seconds  # a plain step of that length: 5 points are less
+        if len(calls) == 1:
+            return StepTimes(base, base, 0.0)
+        return StepTimes(base, 3 * base, 0.0)
+
+    planner, x = _chain_planner(noisy, stage_seconds=0.1)
+    reference = copy.deepcopy(planner.module)
+    corrected: list[Graph] = []
+    original = planner_module.first_step.correct_times
+
+    def correcting(graph, plan, measured):
+        said = original(graph, plan, measured)
+        corrected.append(copy.deepcopy(graph))
+        return said
+
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner_module.first_step, "correct_times", correcting)
+        warnings.simplefilter("always")
+        planner.last = planner.planned_for((x,), {})
+    assert not [w for w in caught if "planned step took" in str(w.message)]
+    assert calls == [1, 1]  # the first plan, then the plan chosen again
+    assert len(corrected) == 1 and corrected[0].meta.recompute_stage_seconds == 0.0
+    graph, plan = planner.last.graph, planner.last.plan
+    assert plan is first_plans[0]
+    assert graph.meta.recompute_stage_seconds == 0.1
+    assert [n.t_fwd for n in graph.nodes] == [0.1 if i % 8 == 4 else 1e-3 for i in range(len(graph))]
+    assert any(note.startswith("time check:") and "no faster" in note for note in plan.notes), plan.notes
+    _trains_as(planner, reference, x)
 
 
 def test_a_step_within_its_predicted_time_keeps_the_plan(first_plans) -> None:

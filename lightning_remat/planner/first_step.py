@@ -54,6 +54,20 @@ planned again, each new plan's step measured in turn, before a step still over i
 is refused (docs/design.md section 4.7)."""
 
 
+def _times_of(graph: Graph) -> tuple[list[tuple[float, float]], float | None, float | None]:
+    """The graph's times a correction may change: each vertex's, and the executor's own."""
+    meta = graph.meta
+    return ([(n.t_fwd, n.t_bwd) for n in graph.nodes], meta.recompute_stage_seconds,
+            meta.recompute_vertex_seconds)
+
+
+def _set_times(graph: Graph, times: tuple[list[tuple[float, float]], float | None, float | None]) -> None:
+    """Put back what :func:`_times_of` read."""
+    vertices, graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = times
+    for node, (forward, backward) in zip(graph.nodes, vertices):
+        node.t_fwd, node.t_bwd = forward, backward
+
+
 class FirstStepCheck:
     """The first-step checks of :class:`~lightning_remat.planner.Planner`, which holds the
     state they read (its module, settings, stores and the variants it runs)."""
@@ -135,7 +149,9 @@ class FirstStepCheck:
         and by more than the noise (:func:`~lightning_remat.runtime.stepcheck.time_error`),
         the graph's times are set to reproduce the measurement
         (:func:`~lightning_remat.runtime.stepcheck.correct_times`) and the plan chosen
-        again by the solver with them; one warning says so. Once per input key; not for a
+        again by the solver with them, taken where its own step, timed the same way before
+        it runs, measures faster than the first (one warning says so); else the first plan
+        and the profiled times stay, and a note on the plan says why. Once per input key; not for a
         plan that recomputes nothing, one from the cache or a checkpoint (timed when it was
         made, its graph stored with the corrected times), nor a graph profiled op by op
         (safe mode: the plain step may not fit). Whether the plan changed."""
@@ -157,6 +173,7 @@ class FirstStepCheck:
         predicted = predicted_extra_seconds(graph, plan)
         if time_error(predicted, measured) is None:
             return False
+        profiled = _times_of(graph)
         changed = correct_times(graph, plan, measured.extra_seconds)
         if not changed:
             return False
@@ -172,12 +189,36 @@ class FirstStepCheck:
             if self.cache is not None and planned.basis is not None:
                 self.cache.put(planned.basis, graph, plan)  # with the corrected times
             return False
+        # The plan chosen again is taken only where its own step measures faster than the
+        # step it replaces: the correction rests on one measurement, and where that read far
+        # under the prediction (a slow plain step), running ops again looks free
+        # (docs/design.md section 4.7, "Time measured on the model itself").
+        variant = self._variant_of(planned, args, kwargs, again)
+        with preserved_state(self.module, [device]), torch.enable_grad():
+            self.module.train()
+            wrapper.training = True
+            try:
+                retimed = (self.step_times or timed_steps)(
+                    self._timed_step(planned, args, kwargs, plain=True),
+                    self._step_of(variant, graph, args, kwargs), device)
+            finally:
+                wrapper.training = mode
         plain = measured.plain_seconds
+        if retimed.extra_seconds / max(retimed.plain_seconds, 1e-12) >= measured.extra_seconds / plain:
+            _set_times(graph, profiled)  # the measurement that moved them is not borne out
+            plan.notes.append(
+                f"time check: the step measured {measured.extra_seconds / plain:+.1%} over plain, "
+                f"predicted {predicted / plain:+.1%}; the plan chosen again on times corrected to that "
+                f"({again.count('recompute')} recomputed stages) measured "
+                f"{retimed.extra_seconds / max(retimed.plain_seconds, 1e-12):+.1%}, no faster: "
+                "this plan and the profiled times kept")
+            return False
         said = (f"lightning_remat: the planned step took {measured.extra_seconds / plain:+.1%} over "
                 f"the plain step's time, where {predicted / plain:+.1%} was predicted; {changed}, and the plan "
                 f"chosen again with those times: {again.solver}, {again.count('recompute')} recomputed "
-                f"stages, predicted {again.predicted_extra_seconds / plain:+.1%}")
-        self._use_plan(planned, args, kwargs, again)
+                f"stages, predicted {again.predicted_extra_seconds / plain:+.1%}, measured "
+                f"{retimed.extra_seconds / max(retimed.plain_seconds, 1e-12):+.1%}")
+        self._use_variant(planned, variant)
         self._replans.pop(planned.key, None)  # the new plan's memory is measured afresh
         warn_caller(said)
         return True
@@ -367,6 +408,11 @@ class FirstStepCheck:
     def _use_plan(self, planned: Planned, args: tuple, kwargs: dict, plan: Plan) -> None:
         """Run ``plan`` (made for ``planned``'s graph and budget) for ``planned``'s input
         from this call on, and store it in the cache in place of the old."""
+        self._use_variant(planned, self._variant_of(planned, args, kwargs, plan))
+
+    def _variant_of(self, planned: Planned, args: tuple, kwargs: dict, plan: Plan) -> Variant:
+        """``plan`` (made for ``planned``'s graph and budget) built to run ``planned``'s
+        input; nothing is installed."""
         graph, budget = planned.graph, planned.budget_bytes
         device = module_device(self.module, args)
         with preserved_state(self.module, [device]):
@@ -377,6 +423,12 @@ class FirstStepCheck:
             plan.notes.insert(0, traced.granularity())
         variant = build_traced_variant(traced, plan, self.remat_module, self.module, graph)
         variant.budget_bytes = budget
+        return variant
+
+    def _use_variant(self, planned: Planned, variant: Variant) -> None:
+        """Run ``variant`` for ``planned``'s input from this call on, its plan stored in the
+        cache in place of the old."""
+        graph, plan = planned.graph, variant.plan
         planned.variant = variant
         if planned.key in self.remat_module.variants:
             self.remat_module.variants[planned.key] = variant
