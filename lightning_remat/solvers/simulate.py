@@ -82,7 +82,7 @@ storage bookkeeping across modules.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -169,32 +169,27 @@ def unchanged(graph: Graph) -> Iterator[None]:
         _UNCHANGED.reset(token)
 
 
-def _scoped(graph: Graph) -> dict[str, Any] | None:
+def _once_in_scope(graph: Graph, name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, kept under ``name`` for the :func:`unchanged` scope ``graph`` is in (made
+    anew outside one)."""
     entry = (_UNCHANGED.get() or {}).get(id(graph))
-    return entry[1] if entry is not None and entry[0] is graph else None
+    if entry is None or entry[0] is not graph:
+        return make()
+    held = entry[1]
+    if name not in held:
+        held[name] = make()
+    return held[name]
 
 
 def shared_steps(graph: Graph) -> SharedSteps:
     """The :class:`SharedSteps` of ``graph``: an :func:`unchanged` scope's, else a new one."""
-    scope = _scoped(graph)
-    if scope is None:
-        return SharedSteps(graph)
-    steps = scope.get("steps")
-    if steps is None:
-        steps = scope["steps"] = SharedSteps(graph)
-    return steps
+    return _once_in_scope(graph, "steps", lambda: SharedSteps(graph))
 
 
 def plain_simulated(graph: Graph) -> Timeline:
     """:func:`simulate` of the plain plan, once per :func:`unchanged` scope (a caller must
     not change the timeline)."""
-    scope = _scoped(graph)
-    if scope is None:
-        return simulate(graph)
-    timeline = scope.get("plain")
-    if timeline is None:
-        timeline = scope["plain"] = simulate(graph)
-    return timeline
+    return _once_in_scope(graph, "plain", lambda: simulate(graph))
 
 
 def simulate(graph: Graph, plan: Plan | None = None, *, whole_stages: bool = False,
