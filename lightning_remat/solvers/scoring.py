@@ -11,7 +11,7 @@ import mmap
 from lightning_remat.graph.ir import Graph
 from lightning_remat.solvers.plan import Plan, Stage, boundary
 from lightning_remat.solvers.schedule import Schedule, make_schedule, rewrite_seconds
-from lightning_remat.solvers.simulate import plain_simulated, shared_steps, simulate, unchanged
+from lightning_remat.solvers.simulate import plain_simulated, shared_steps, simulate
 
 __all__ = [
     "CUDA_BLOCK_BYTES", "CUDA_UNSPLIT_BYTES", "HEAP_BYTES_PER_MAPPED_BUFFER", "HEAP_BYTES_PER_VERTEX",
@@ -55,12 +55,11 @@ def make_plan(
         notes=list(notes or []),
     )
     plan.validate(graph)
-    with unchanged(graph):  # the schedule, the simulation and the margin read one SharedSteps
-        schedule = make_schedule(graph, plan, whole_stages=whole_stages, parts=shared_steps(graph).parts)
-        if extra_seconds is None:
-            plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
-        plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
-        plan.margin_bytes = model_margin(graph)
+    schedule = make_schedule(graph, plan, whole_stages=whole_stages, parts=shared_steps(graph).parts)
+    if extra_seconds is None:
+        plan.predicted_extra_seconds = recomputed_seconds(graph, schedule) + executor_seconds(graph, schedule)
+    plan.predicted_peak_bytes = simulate(graph, plan, schedule=schedule).peak_bytes
+    plan.margin_bytes = model_margin(graph)
     plan.feasible = budget_bytes is None or plan.guaranteed_peak_bytes <= budget_bytes
     return plan
 
