@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps of each, alternated")
     p.add_argument("--profiled", type=int, default=3, help="profiled steps of each, alternated")
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--peer", default=None, metavar="checkpoint_sequential:SEGMENTS",
+                   help="also time this peer, alternated with plain and the plan in this process")
     args = p.parse_args(argv)
 
     import torch
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_remat.solvers.scoring import executor_seconds, recomputed_seconds
 
     batch, size = SIZES["cpu"][args.model]
-    model, x, _ = build(args.model, "cpu", batch, size)
+    model, x, sequential = build(args.model, "cpu", batch, size)
     planned = lightning_remat.remat(model, x, memory_budget=args.budget, solver=args.solver, loss_fn=step_loss)
     plan, graph = planned.plan, planned.graph
     schedule = make_schedule(graph, plan)
@@ -60,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         model.zero_grad(set_to_none=True)
 
     runs = {"plain": model, "plan": planned}
+    if args.peer:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        segments = int(args.peer.split(":")[1])
+        if sequential is None:  # it shares the model's modules
+            p.error(f"{args.model} has no sequential form for {args.peer}")
+
+        def peer(inp):
+            return checkpoint_sequential(sequential, segments, inp, use_reentrant=False)
+        runs["peer"] = peer
     for module in runs.values():
         step(module)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -68,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             step(module)
             times[name].append(time.perf_counter() - start)
-    plain_s, plan_s = (statistics.median(times[k]) for k in runs)
+    plain_s, plan_s = (statistics.median(times[k]) for k in ("plain", "plan"))
 
     rounds: dict[str, list[dict[str, tuple[float, int]]]] = {k: [] for k in runs}
     for _ in range(args.profiled):
         for name, module in runs.items():
+            if name == "peer":  # timed only
+                continue
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step(module)
             rounds[name].append({e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()})
@@ -88,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
           f"stages, {sum(len(s.vertices) for s in stages)} vertices in them, torch {torch.__version__}")
     print(f"step: plain {plain_s:.3f} s, plan {plan_s:.3f} s, extra {plan_s - plain_s:+.3f} s "
           f"({plan_s / plain_s - 1:+.1%}); median of {args.steps}, alternated")
+    if args.peer:
+        peer_s = statistics.median(times["peer"])
+        print(f"peer {args.peer}: {peer_s:.3f} s ({peer_s / plain_s - 1:+.1%}); plan/peer {plan_s / peer_s:.3f}")
     print(f"model: {recomputed + executor:+.3f} s ({(recomputed + executor) / plain_s:+.1%}) = ops run again "
           f"{recomputed:.3f} s + executor {executor:.3f} s ({graph.meta.recompute_stage_seconds or 0:.6f} s per "
           f"stage, {graph.meta.recompute_vertex_seconds or 0:.6f} s per vertex)")
