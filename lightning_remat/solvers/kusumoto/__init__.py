@@ -22,9 +22,10 @@ module follows that statement exactly (paper equation numbers in brackets):
   upper bound, vectorised:
   ``f <= mem(Vi) + extra(Vi) + max over v in Vi of grad(v)``, ``grad(v)`` being the gradient
   and transient bytes at v's backward peak, the same under every plan; a view allocates
-  nothing (its base's storage is counted where the base is), other storage shared between
-  vertices (in-place ops, which a plan may give storage of their own; gradients passed
-  through ``add``) is counted per vertex, a random op's boundary value (recomputed, held by its readers) as kept, and the
+  nothing (its base's storage is counted where the base is), and so does an in-place op
+  whose stage holds what makes it run in place under every plan (``LowerSetFamily.
+  _in_place_shared``); other storage shared between vertices (in-place ops a plan may give
+  storage of their own; gradients passed through ``add``) is counted per vertex, a random op's boundary value (recomputed, held by its readers) as kept, and the
   loss's measured peak on top of the last stage. Where
   that bound finds no strategy for a budget and simulating every pair stays affordable
   (``_TIGHTER_WORK``), the simulator's own costs are used, so a tight budget is decided by

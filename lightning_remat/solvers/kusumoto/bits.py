@@ -45,6 +45,10 @@ class GraphBits:
     view: np.ndarray  # bool: the output is a view of another vertex's storage
     overwritten: np.ndarray  # bool: the only reader of the output is an in-place op on it
     inplace_time: np.ndarray  # float64 t_fwd of in-place ops on a vertex's value, else 0
+    in_place: list[tuple[int, np.ndarray, np.ndarray]]
+    """Per in-place op on a value made in the step: its index, the vertices whose stage it
+    must share to run in place whatever else the plan does (the values in the storage it
+    writes and their readers), and its own readers (the bound's ``in_place_shared``)."""
 
     @property
     def n(self) -> int:
@@ -77,6 +81,19 @@ def graph_bits(graph: Graph) -> GraphBits:
     # A view allocates nothing: its storage is its base's, counted where the base is.
     allocated = np.array([0 if v in costs.views else costs.size[v] for v in ids], dtype=np.int64)
     extra = np.array([costs.extra[v] for v in ids], dtype=np.int64)
+    in_place = []
+    for v, t in inplace.items():
+        if t is None or v in outputs:
+            continue
+        # Schedule._rewritten's rule: v runs in place under every plan that puts it in one
+        # stage with every value of the storage it writes and all their readers, unless
+        # that stage is recomputed and v is read outside it (the selective policy).
+        held = [x for x in shared.parts.sharing.get(t, (t,)) if shared.position[x] < shared.position[v]] or [t]
+        if any(x in outputs for x in held):
+            continue
+        together = {*held, *(w for x in held for w in readers[x])}
+        in_place.append((index[v], np.array(sorted(index[w] for w in together), dtype=np.int64),
+                         np.array(sorted(index[w] for w in readers[v]), dtype=np.int64)))
     return GraphBits(
         ids=ids,
         mem=np.array([node.mem for node in graph.nodes], dtype=np.int64),
@@ -96,6 +113,7 @@ def graph_bits(graph: Graph) -> GraphBits:
         overwritten=np.array([v not in outputs and len(readers[v]) == 1 and inplace.get(readers[v][0]) == v
                               for v in ids], dtype=bool),
         inplace_time=np.array([float(n.t_fwd) if inplace.get(n.id) is not None else 0.0 for n in graph.nodes]),
+        in_place=in_place,
     )
 
 

@@ -169,7 +169,7 @@ class LowerSetFamily:
             # gradient (and transient) bytes any of its ops meets in the backward, which
             # are the same under every plan (the package docstring).
             inside = self.member[j] & ~self.member[sources]
-            stage_mem = (self.size_set[j] - self.size_set[sources]
+            stage_mem = (self.size_set[j] - self.size_set[sources] - self._in_place_shared(inside, last)
                          + (self.extra_set[j] - self.extra_set[sources])
                          + np.where(inside, bits.gradients, 0).max(axis=1, initial=0))
             cache_add = self.held_kept[j] - kept_before
@@ -198,6 +198,21 @@ class LowerSetFamily:
             self._cache[j] = result
             self._cached_entries += sources.size
         return result
+
+    def _in_place_shared(self, inside: np.ndarray, last: bool) -> np.ndarray:
+        """Per stage (a row of ``inside``, its vertices): the bytes of its in-place ops that
+        run in place whatever the rest of the plan is, so share their storage with the
+        value they modify and allocate nothing (``GraphBits.in_place``): each op is in the
+        stage with the values of that storage and their readers and, in a recomputed stage,
+        with its own readers (else the selective policy may run it out of place,
+        ``schedule._rewritten``). The bound counts each other in-place op's storage again."""
+        shared = np.zeros(inside.shape[0], dtype=np.int64)
+        for v, together, readers in self.bits.in_place:
+            runs_in_place = inside[:, v] & inside[:, together].all(axis=1)
+            if not last:
+                runs_in_place &= inside[:, readers].all(axis=1)
+            shared += np.where(runs_in_place, self.bits.allocated[v], 0)
+        return shared
 
     def _simulated_costs(self, sources: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
         """The simulator's own stage costs (``stage_costs.stage_costs``) for each source L and
