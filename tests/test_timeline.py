@@ -124,3 +124,33 @@ def test_a_planned_step_is_measured_op_for_op_on_the_predicted_timeline():
     assert abs(max(p.peak_bytes for p in points) - peak) <= 0.1 * peak
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(b, s) for b, s in zip(model.buffers(), statistics))
+
+
+def test_the_predicted_timeline_follows_the_schedule_the_stages_run_after_the_times_change():
+    """Which recomputed stages keep their boundary values reads the graph's times (the
+    selective policy's cost per vertex), which the planner corrects after the stages are
+    built (the first step's time check). The predicted timeline follows the schedule the
+    stages were compiled to: with the times changed so that a schedule made now would
+    differ, it is the timeline predicted before, and it still matches the measured step
+    op for op."""
+    from lightning_remat.solvers.schedule import make_schedule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
+    x = torch.randn(2048, 128)
+    planner = Planner(model, PlanSettings("75%", profile_repeats=1), keep_example=True)
+    entry = planner.planned_for((x,), {})
+    graph, plan = entry.graph, entry.plan
+    running = make_schedule(graph, plan)
+    assert any(s.action == "recompute" for s in running.stages)
+    before = entry.predicted_timeline().events
+    keeps = any(s.kept for s in running.stages)
+    # The policy's cost per vertex made large (a stage then runs under plain checkpoint) or
+    # nothing (a stage then keeps its boundary), whichever changes the schedule.
+    graph.meta.recompute_vertex_seconds = 1.0 if keeps else 0.0
+    assert make_schedule(graph, plan) != running
+    assert entry.predicted_timeline().events == before
+    points = entry.measure_timeline()
+    peak = max(e.peak_bytes for e in before)
+    beside = [abs(p.peak_bytes - e.peak_bytes) <= 0.1 * peak for p, e in zip(points, before)]
+    assert len(points) == len(before) and sum(beside) >= 0.9 * len(before)

@@ -108,8 +108,10 @@ class Planned:
         """Live bytes after every op of a step under this plan, as the simulator predicts
         it for the executor that runs it: where the model's own forward runs with its
         submodules checkpointed in place (the capture's fallback), a recomputed stage runs
-        again whole, as the plan was scored (docs/design.md section 5)."""
-        return simulate(self.graph, self.plan, whole_stages=self.variant.hooked is not None)
+        again whole, as the plan was scored (docs/design.md section 5). It follows the
+        schedule the stages were compiled to, whatever times the graph holds since."""
+        return simulate(self.graph, self.plan, whole_stages=self.variant.hooked is not None,
+                        schedule=self.variant.schedule)
 
     def measure_timeline(self, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> list[TimelinePoint]:
         """One real step of the planned module on the planned call, read op by op, on the

@@ -65,7 +65,7 @@ from lightning_remat.runtime.stages import (
     with_output_containers,
 )
 from lightning_remat.solvers.plan import Plan, Stage
-from lightning_remat.solvers.schedule import make_schedule, order_note
+from lightning_remat.solvers.schedule import Schedule, make_schedule, order_note
 
 __all__ = ["RematModule", "Variant", "VariantSelector", "apply_plan", "build_traced_variant",
            "build_variant"]
@@ -101,6 +101,10 @@ class Variant:
     eager: nn.Module | None = None
     """For a forward captured by ``torch.export``: the module whose own forward runs outside
     training (the captured graph is specialised to training mode: its dropout draws)."""
+    schedule: Schedule | None = None
+    """The schedule the stages were compiled to (None for the tracing fallback). Which
+    stages keep values reads the graph's times, which the planner may correct after the
+    stages are built: the step's prediction follows this schedule, the one that runs."""
 
     def bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """The call's arguments in the traced order, defaults filled in."""
@@ -549,9 +553,11 @@ def build_variant(
     note = order_note(graph, plan)
     if note and note not in plan.notes:
         plan.notes.append(note)
-    stages = compile_stages(gm.graph, plan, owner, make_schedule(graph, plan), charge)
+    schedule = make_schedule(graph, plan)
+    stages = compile_stages(gm.graph, plan, owner, schedule, charge)
     stages.output = with_output_containers(stages.output, output_spec)
-    return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders))
+    return Variant(plan=plan, stages=stages, signature=_signature_for(root, gm, stages.placeholders),
+                   schedule=schedule)
 
 
 def build_traced_variant(traced: Traced, plan: Plan, owner: RematModule, root: nn.Module,
