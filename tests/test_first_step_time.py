@@ -257,25 +257,38 @@ def _profiled_chain() -> tuple[nn.Module, torch.Tensor, Graph]:
     return model, x, profile_module(model, (x,), repeats=1)
 
 
-def test_the_calibration_plan_cuts_the_model_into_stages_run_under_plain_checkpoint() -> None:
-    """At most ``CALIBRATION_STAGES`` recomputed stages in the graph's order, the last part
-    kept; each ends at a linear layer (which saves only its input), so it keeps nothing
-    from its forward: the executor runs it under plain checkpoint, and only the stage's own
-    cost is measured beside the ops run again."""
+def test_the_calibration_plan_recomputes_single_linear_layers_that_run_nothing_again() -> None:
+    """At most ``CALIBRATION_STAGES`` recomputed stages in the graph's order, each a linear
+    layer alone (which saves only its input), the rest kept, the last part too: the
+    recomputation packs the layer's input and stops before it computes, so the step's time
+    beyond plain is the stages' own cost, with no op run again whose profiled time would be
+    taken off it. A graph with no such op gets stages cut at single-tensor boundaries,
+    which do recompute their ops."""
     from lightning_remat.runtime.overhead import CALIBRATION_STAGES, calibration_plan
     from lightning_remat.solvers.schedule import make_schedule
+    from lightning_remat.solvers.scoring import recomputed_seconds
 
     _, _, graph = _profiled_chain()
     plan = calibration_plan(graph)
     assert plan is not None
     assert [n for s in plan.stages for n in s.nodes] == graph.ids
     assert plan.count("recompute") == CALIBRATION_STAGES and plan.stages[-1].action == "keep"
+    linear = set(graph.ids[0::2])
+    assert all(len(s.nodes) == 1 and s.nodes[0] in linear for s in plan.stages if s.action == "recompute")
     schedule = make_schedule(graph, plan)
-    assert all(not s.kept for s in schedule.stages if s.action == "recompute")
+    assert all(not s.kept and not s.recomputed and s.packed_only and s.runs_again
+               for s in schedule.stages if s.action == "recompute")
+    assert recomputed_seconds(graph, schedule) == 0.0
     assert calibration_plan(graph, stages=3).count("recompute") == 3
     assert calibration_plan(Graph.chain([100], t_fwd=[1e-3])) is None
+    # With no op that saves only its inputs (no profile of what each op saves), the cuts.
+    graph.meta.saved_refs = None
+    cut = calibration_plan(graph)
+    assert cut is not None and cut.count("recompute") == CALIBRATION_STAGES
+    assert recomputed_seconds(graph, make_schedule(graph, cut)) > 0
     # At the tanh layers (which save their output) every stage keeps its boundary under the
     # selective policy: that plan measures the policy's time per vertex.
+    _, _, graph = _profiled_chain()
     policy = calibration_plan(graph, policy=True)
     assert [n for s in policy.stages for n in s.nodes] == graph.ids
     assert all(s.nodes[-1] in graph.ids[1::2] for s in policy.stages[:-1])
@@ -328,13 +341,16 @@ def test_the_policy_time_measured_on_the_model_is_the_extra_time_beyond_the_ops_
 def test_op_times_over_the_plain_step_are_scaled_to_it_before_the_stage_time_is_measured() -> None:
     """A profile whose op times sum to twice the plain step they are part of (the profiler's
     own time inside each op's interval) is scaled to the step before the calibration plan's
-    extra time is split, so the stages' own 3 ms each is measured, not hidden under the ops
+    extra time is split (stages cut at single-tensor boundaries, which run their ops
+    again), so the stages' own 3 ms each is measured, not hidden under the ops
     run again (0 without the scaling); op times within the step are left as they are."""
     from lightning_remat.runtime.overhead import calibrate_on_model, calibration_plan
     from lightning_remat.solvers.schedule import make_schedule
     from lightning_remat.solvers.scoring import recomputed_seconds
 
     _, _, graph = _profiled_chain()
+    # No record of what each op saves: the calibration plan's stages run their ops again.
+    graph.meta.saved_refs = None
     graph.meta.recompute_stage_seconds, graph.meta.recompute_vertex_seconds = 2e-4, 0.0
     ops = graph.total("t_fwd", graph.ids) + graph.total("t_bwd", graph.ids)
     plan = calibration_plan(graph)

@@ -114,7 +114,7 @@ def measure_recompute_overhead(device: str | torch.device | None = None, *, roun
 
 CALIBRATION_STAGES = 24
 """The most recomputed stages of a plan that measures the executor's cost on the model:
-enough that their cost stands out of a step's noise, each still a run of ops."""
+enough that their cost stands out of a step's noise."""
 
 NEGLIGIBLE = 0.01
 """A difference in the stages' total cost below this share of the plain step changes no
@@ -129,19 +129,61 @@ StepsTimer = Callable[[list[Callable[[], None]]], list[StepTimes]]
 
 
 def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES, *, policy: bool = False) -> Plan | None:
-    """A plan whose step measures what the executor costs on ``graph``'s model: its order
-    cut at up to ``stages`` single-tensor boundaries
-    (:func:`~lightning_remat.solvers.chen.candidate_cuts`, spread evenly), every part but
-    the last recomputed, as Chen et al.'s segments are.
+    """A plan whose step measures what the executor costs on ``graph``'s model.
 
-    ``policy=False``: boundaries made by an op that saves nothing it computes (a linear
-    layer, a convolution; any boundary where there are fewer than two such): the stages
-    keep nothing from their forward, so the executor runs them under plain checkpoint and
-    the step's time beyond plain is the ops run again and each stage's own cost.
-    ``policy=True``: boundaries made by an op that saves its output (a tanh, a softmax):
-    plain checkpoint would run that op again, so the stage keeps it under the selective
-    policy, whose time per vertex the step then shows too. None where the graph has fewer
-    than two such boundaries."""
+    ``policy=False``: up to ``stages`` ops that save only what they read (a linear layer, a
+    convolution, a matrix product), spread evenly over the graph's order, each recomputed as
+    a stage of its own, the rest kept: its recomputation packs the op's inputs again and
+    stops before the op computes (``Schedule``'s **packed only**), so the step's time beyond
+    plain is each stage's own cost and nothing else. Where the step's extra time also held
+    ops run again, the stage's figure was what was left of a difference many times its size,
+    and the step's noise swung it from 0 to 2.4 ms per stage between two plannings of one
+    GPT (2-core CPU, 2026-12-07). Without two such ops, :func:`_cut_plan`'s stages, which
+    recompute their ops: their time is taken off the measured extra time.
+    ``policy=True``: :func:`_cut_plan` at boundaries made by an op that saves its output (a
+    tanh, a softmax): plain checkpoint would run that op again, so the stage keeps it under
+    the selective policy, whose time per vertex the step then shows too. None where the
+    graph has fewer than two such boundaries."""
+    if not policy:
+        plan = _packed_plan(graph, stages)
+        if plan is not None:
+            return plan
+    return _cut_plan(graph, stages, policy)
+
+
+def _packed_plan(graph: Graph, stages: int) -> Plan | None:
+    """Each of up to ``stages`` ops that save only their inputs (no model output) a
+    recomputed stage of its own, the others kept; None with fewer than two such ops, or
+    where a stage would keep a value (then the selective policy's time would be in it)."""
+    parts = ScheduleParts.of(graph)
+    ids = graph.ids
+    # Not the last op: the last part is kept, as in every plan the solvers make.
+    candidates = [i for i, v in enumerate(ids[:-1])
+                  if v in parts.saves_inputs_only and v in parts.saving and v not in parts.outputs]
+    if len(candidates) < 2:
+        return None
+    count = min(int(stages), len(candidates))
+    chosen = sorted({candidates[round(i * (len(candidates) - 1) / max(count - 1, 1))] for i in range(count)})
+    segments, start = [], 0
+    for p in chosen:
+        if start < p:
+            segments.append(Stage(ids[start:p], "keep"))
+        segments.append(Stage([ids[p]], "recompute"))
+        start = p + 1
+    segments.append(Stage(ids[start:], "keep"))
+    plan = make_plan(graph, segments, "calibration")
+    schedule = make_schedule(graph, plan)
+    if any(s.kept or s.recomputed for s in schedule.stages if s.action == "recompute"):
+        return None
+    return plan
+
+
+def _cut_plan(graph: Graph, stages: int, policy: bool) -> Plan | None:
+    """The graph's order cut at up to ``stages`` single-tensor boundaries
+    (:func:`~lightning_remat.solvers.chen.candidate_cuts`, spread evenly), every part but
+    the last recomputed, as Chen et al.'s segments are: at boundaries made by an op that
+    saves its output where ``policy``, else by one that saves nothing it computes (any
+    boundary where there are fewer than two such)."""
     cuts = candidate_cuts(graph)
     parts = ScheduleParts.of(graph)
     own = [p for p in cuts if (graph.ids[p] in parts.saving and graph.ids[p] not in parts.saves_inputs_only) == policy]
