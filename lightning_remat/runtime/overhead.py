@@ -23,7 +23,7 @@ from lightning_remat.runtime.stepcheck import StepTimes
 from lightning_remat.solvers.chen import candidate_cuts
 from lightning_remat.solvers.plan import Plan, Stage
 from lightning_remat.solvers.schedule import ScheduleParts, make_schedule
-from lightning_remat.solvers.scoring import make_plan, recomputed_seconds
+from lightning_remat.solvers.scoring import make_plan, plain_plan, recomputed_seconds
 
 __all__ = [
     "CALIBRATION_STAGES", "CALIBRATION_STEPS", "NEGLIGIBLE", "calibrate_on_model", "calibration_plan",
@@ -153,8 +153,9 @@ def calibration_plan(graph: Graph, stages: int = CALIBRATION_STAGES, *, policy: 
 
 def _packed_plan(graph: Graph, stages: int) -> Plan | None:
     """Each of up to ``stages`` ops that save only their inputs (no model output) a
-    recomputed stage of its own, the others kept; None with fewer than two such ops, or
-    where a stage would keep a value (then the selective policy's time would be in it)."""
+    recomputed stage of its own, the others kept; None with fewer than two such ops, where
+    a stage would keep a value (then the selective policy's time would be in it), or where
+    the plan is predicted to peak above the plain step."""
     parts = ScheduleParts.of(graph)
     ids = graph.ids
     # Not the last op: the last part is kept, as in every plan the solvers make.
@@ -174,6 +175,10 @@ def _packed_plan(graph: Graph, stages: int) -> Plan | None:
     plan = make_plan(graph, segments, "calibration")
     schedule = make_schedule(graph, plan)
     if any(s.kept or s.recomputed for s in schedule.stages if s.action == "recompute"):
+        return None
+    # Its stages save what the plain step saves: its step fits where the profiled plain
+    # step did, unless the kept stages' calls hold their inputs longer than plain would.
+    if plan.predicted_peak_bytes > plain_plan(graph).predicted_peak_bytes:
         return None
     return plan
 
