@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from lightning_remat.graph.ir import Graph
 from lightning_remat.graph.ops import inplace_operands, random_vertices
@@ -103,6 +104,24 @@ class ScheduleParts:
     """Vertices whose output lives in another vertex's storage, as the profile names them
     (``meta.aliases``: views, in-place results, and ops that returned their input, such as a
     dropout of probability 0 or a cast to the dtype it has)."""
+
+    @cached_property
+    def inplace_writes(self) -> tuple[tuple[str, tuple[str, ...] | None, tuple[tuple[str, bool], ...]], ...]:
+        """Per in-place op v (``inplace``): the values made before it in the storage it
+        writes (None: it writes a step input), and each other reader of those values (of
+        the step's inputs) with whether it runs before v in the forward. ``_rewritten``
+        reads these for every plan."""
+        position = self.position
+        writes = []
+        for v, t in self.inplace.items():
+            if t is None:
+                readers = tuple((w, position[w] < position[v]) for w in self.input_readers if w != v)
+                writes.append((v, None, readers))
+                continue
+            held = tuple(x for x in self.sharing.get(t, (t,)) if position[x] < position[v]) or (t,)
+            readers = tuple((w, position[w] < position[v]) for x in held for w in self.succ[x] if w != v)
+            writes.append((v, held, readers))
+        return tuple(writes)
 
     @classmethod
     def of(cls, graph: Graph, succ: dict[str, list[str]] | None = None) -> ScheduleParts:
@@ -284,12 +303,19 @@ def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: 
     too (the stage-cost fold's upper bound: a later recomputed stage holds such a value
     as its input until its backward, which the fold's cache must count; kept, the storage
     is held until this stage's recomputation, no shorter)."""
-    return frozenset(
-        v for v in vertices
-        if (v in parts.outputs or any(stage_of[w] != k for w in parts.succ[v]))
-        and v not in parts.random
-        and (v in rewritten or v not in parts.inplace)
-        and (aliases or v in parts.inplace or v not in parts.aliases))
+    succ, outputs, random, inplace, alias = parts.succ, parts.outputs, parts.random, parts.inplace, parts.aliases
+    kept = []
+    for v in vertices:
+        if v in random or (v in inplace and v not in rewritten) or not (aliases or v in inplace or v not in alias):
+            continue
+        if v in outputs:
+            kept.append(v)
+            continue
+        for w in succ[v]:
+            if stage_of[w] != k:
+                kept.append(v)
+                break
+    return frozenset(kept)
 
 
 def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:
@@ -367,31 +393,37 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
     if not parts.inplace:
         return set(), set()
     recomputed = [a == "recompute" for a in actions]
-    succ, position = parts.succ, parts.position
+    succ, outputs = parts.succ, parts.outputs
 
     def crosses(x: str) -> bool:
-        return x in parts.outputs or any(stage_of[w] != stage_of[x] for w in succ[x])
+        if x in outputs:
+            return True
+        s = stage_of[x]
+        for w in succ[x]:
+            if stage_of[w] != s:
+                return True
+        return False
+
+    def moved(w: str, before: bool, s: int) -> bool:
+        """Whether reader ``w`` of what op v (in stage ``s``) writes sees it otherwise than
+        the forward does: in another stage, recomputed, or run on the other side of v
+        (``before``: w runs before v in the forward)."""
+        t = stage_of[w]
+        return t != s and (recomputed[t] or before != (t < s))
 
     rewritten: set[str] = set()
     for_policy: set[str] = set()
-    for v, t in parts.inplace.items():
+    for v, held, readers in parts.inplace_writes:
         s = stage_of[v]
-        if t is None:  # a step input: a recomputation must read it unmodified
-            if recomputed[s] or any(
-                    w != v and stage_of[w] != s
-                    and (recomputed[stage_of[w]] or (position[w] < position[v]) != (stage_of[w] < s))
-                    for w in parts.input_readers):
+        if held is None:  # a step input: a recomputation must read it unmodified
+            if recomputed[s] or any(moved(w, before, s) for w, before in readers):
                 rewritten.add(v)
             continue
         # v writes t's storage, and so every value made before v that lives there (an
         # Identity or a view between a batch norm and its in-place activation): each is
         # judged as t is.
-        held = [x for x in parts.sharing.get(t, (t,)) if position[x] < position[v]] or [t]
         if (any(stage_of[x] != s and (recomputed[s] or recomputed[stage_of[x]]) for x in held)
-                or any(w != v and stage_of[w] != s
-                       and (recomputed[stage_of[w]]
-                            or (position[w] < position[v]) != (stage_of[w] < s))
-                       for x in held for w in succ[x])):
+                or any(moved(w, before, s) for w, before in readers)):
             rewritten.add(v)
         elif recomputed[s] and (crosses(v) or any(stage_of[x] == s and crosses(x) for x in held)):
             for_policy.add(v)

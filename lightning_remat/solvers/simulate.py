@@ -124,6 +124,9 @@ class SharedSteps:
         self.parts = ScheduleParts.of(graph, self.succ)
         self.inplace, self.outputs = self.parts.inplace, self.parts.outputs
         self.tails: dict[tuple[tuple[str, ...], ...], Gradients] = {}
+        # StepSimulation._skip_tail: the references a kept tail drops, per tail and
+        # rewritten in-place ops.
+        self.tail_releases: dict[tuple, list[tuple[str, str]]] = {}
         self.prefixes: dict[tuple, dict[str, Any]] = {}  # StepSimulation.forward_state
         self.rng_state_bytes = rng_state_bytes(graph)
 
@@ -340,81 +343,92 @@ class StepSimulation(VertexFacts):
 
     # ---- forward and loss ------------------------------------------------------------------
     def forward_stage(self, k: int) -> None:
+        # Hot: Kusumoto's DP simulates one stage per pair of lower sets, so the per-op work
+        # reads everything through locals bound once per stage.
         self.forward_done = k + 1
         in_closure: set[object] = set()
-        if self.actions[k] == "recompute" and self.shared.rng_state_bytes and self.schedule.stages[k].draws_random:
+        recompute = self.actions[k] == "recompute"
+        if recompute and self.shared.rng_state_bytes and self.schedule.stages[k].draws_random:
             # Checkpoint's stash of the random-number state, until the stage's frame goes.
             key = ("rng", k)
             self.mem.alloc(key, self.shared.rng_state_bytes, 1)
             self.closure[k].append(key)
             self.kept_bytes[k] += self.shared.rng_state_bytes
+        mem, base, stage_of, held = self.mem, self.base, self.stage_of, self.held
+        alloc, release, refs = mem.alloc, mem.release, mem.refs
+        size, fwd_refs, later_saves, actions = self.size, self.fwd_refs, self.later_saves, self.actions
+        node, pred, extra, saved_refs = self.node, self.pred, self.extra, self.saved_refs
+        kept, closure, events = self.kept[k], self.closure[k], self.timeline.events
         for v in self.stages[k]:
-            self._forward_op(k, v, in_closure)
-        if self.actions[k] != "recompute":
+            bv = base[v]
+            own = ("val", bv)
+            if bv == v:
+                alloc(own, size[v], fwd_refs[v])
+                savers = later_saves.get(v)
+                if savers:
+                    for saver in savers:
+                        if actions[stage_of[saver]] != "recompute":
+                            refs[own] += 1
+                            held[saver].append(own)
+            transient = node[v].ws_fwd
+            preds = pred[v]
+            if recompute:
+                # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
+                # only while the op runs, and it holds no forward values. A kept boundary op's
+                # outputs (its value and its extra outputs, e.g. BatchNorm's statistics) are
+                # held until the recomputation.
+                if v in kept:
+                    self._save_extra(v)
+                    self.kept_held[v] = own
+                    refs[own] += 1
+                    self.kept_bytes[k] += extra[v]
+                    if own not in self._kept_storages:
+                        self._kept_storages.add(own)
+                        self.kept_bytes[k] += mem.size[own]
+                else:
+                    transient += extra[v]
+                for u in preds:
+                    key = ("val", base[u])
+                    if stage_of[u] != k and key not in in_closure:
+                        in_closure.add(key)
+                        refs[key] += 1
+                        closure.append(key)
+            else:
+                if extra[v]:
+                    alloc(("extra", v), extra[v], 1)
+                    held[v].append(("extra", v))
+                for r in saved_refs[v]:
+                    key = ("val", base[r])
+                    refs[key] += 1
+                    held[v].append(key)
+                for u in preds:
+                    key = ("val", base[u])
+                    if stage_of[u] != k and key not in in_closure:
+                        in_closure.add(key)  # held by the stage's call (below)
+                        refs[key] += 1
+            peak = mem.live + transient
+            for u in preds:
+                bu = base[u]
+                if bu != bv:
+                    release(("val", bu))
+            if bv != v:
+                release(own)
+            if refs.get(own) == 0:
+                mem.settle(own)
+            events.append(Event("forward", v, mem.live, peak, k))
+        if not recompute:
             # The executor calls a stage with the values it reads from earlier stages as
             # arguments (runtime.module): they are held until the stage returns, not only
             # until the stage's last op that reads them.
             for key in in_closure:
-                self.mem.release(key)
+                release(key)
         if self.actions[k] == "offload":
             # What the stage saved is copied to the host: the device references go.
             for v in self.stages[k]:
-                for key in self.held[v]:
-                    self.mem.release(key)
-                self.held[v] = []
+                for key in held[v]:
+                    release(key)
+                held[v] = []
                 self.offloaded[k].append(v)
-
-    def _forward_op(self, k: int, v: str, in_closure: set[object]) -> None:
-        mem, base = self.mem, self.base
-        bv = base[v]
-        own = ("val", bv)
-        if bv == v:
-            mem.alloc(own, self.size[v], self.fwd_refs[v])
-            for saver in self.later_saves.get(v, ()):
-                if self.actions[self.stage_of[saver]] != "recompute":
-                    mem.hold(own)
-                    self.held[saver].append(own)
-        transient = self.node[v].ws_fwd
-        preds = self.pred[v]
-        if self.actions[k] == "recompute":
-            # Checkpoint's pack hook drops what the op saves: its extra saved bytes exist
-            # only while the op runs, and it holds no forward values. A kept boundary op's
-            # outputs (its value and its extra outputs, e.g. BatchNorm's statistics) are
-            # held until the recomputation.
-            if v in self.kept[k]:
-                self._save_extra(v)
-                self.kept_held[v] = own
-                mem.hold(own)
-                self.kept_bytes[k] += self.extra[v]
-                if own not in self._kept_storages:
-                    self._kept_storages.add(own)
-                    self.kept_bytes[k] += mem.size[own]
-            else:
-                transient += self.extra[v]
-            stage_of = self.stage_of
-            for u in preds:
-                key = ("val", base[u])
-                if stage_of[u] != k and key not in in_closure:
-                    in_closure.add(key)
-                    mem.hold(key)
-                    self.closure[k].append(key)
-        else:
-            self._save_for_backward(v, [("val", base[r]) for r in self.saved_refs[v]])
-            stage_of = self.stage_of
-            for u in preds:
-                key = ("val", base[u])
-                if stage_of[u] != k and key not in in_closure:
-                    in_closure.add(key)  # held by the stage's call (forward_stage)
-                    mem.hold(key)
-        peak = mem.live + transient
-        for u in preds:
-            bu = base[u]
-            if bu != bv:
-                mem.release(("val", bu))
-        if bv != v:
-            mem.release(own)
-        mem.settle(own)
-        self.timeline.events.append(Event("forward", v, mem.live, peak, k))
 
     def _loss(self) -> None:
         """The loss runs on top of everything the forward holds, to its measured peak
@@ -438,23 +452,34 @@ class StepSimulation(VertexFacts):
         references their forward and the loss would have dropped on earlier storages are
         dropped (what they saved, their backward gave back), and the gradients their
         backward leaves (:meth:`SharedSteps.tail_gradients`) are live."""
-        mem, base, stage_of, pred = self.mem, self.base, self.stage_of, self.pred
         tail = self.stages[k + 1:]
-        for stage in tail:
-            for v in stage:
-                bv = base[v]
-                for u in pred[v]:
-                    bu = base[u]
-                    if bu != bv and stage_of[bu] <= k:
-                        mem.release(("val", bu))
-                if bv != v and stage_of[bv] <= k:
-                    mem.release(("val", bv))
-        for o in self.outputs:
-            if stage_of[base[o]] <= k and not self.outputs_held:
-                mem.release(("val", base[o]))
+        key = (tuple(tuple(stage) for stage in tail), self.own_storage)
+        dropped = self.shared.tail_releases.get(key)
+        if dropped is None:
+            base, stage_of, pred = self.base, self.stage_of, self.pred
+            dropped = []
+            for stage in tail:
+                for v in stage:
+                    bv = base[v]
+                    for u in pred[v]:
+                        bu = base[u]
+                        if bu != bv and stage_of[bu] <= k:
+                            dropped.append(("val", bu))
+                    if bv != v and stage_of[bv] <= k:
+                        dropped.append(("val", bv))
+            for o in self.outputs:
+                if stage_of[base[o]] <= k and not self.outputs_held:
+                    dropped.append(("val", base[o]))
+            # The same for every plan whose stages after k are these (each storage an
+            # earlier stage made is one of theirs), under the same rewritten ops.
+            self.shared.tail_releases[key] = dropped
+        release = self.mem.release
+        for storage in dropped:
+            release(storage)
         gradients = self.shared.tail_gradients(tail)
-        for key, nbytes, refs in gradients.storages:
-            mem.alloc(key, nbytes, refs)
+        mem = self.mem
+        for storage, nbytes, refs in gradients.storages:
+            mem.alloc(storage, nbytes, refs)
         self.grad_of = dict(gradients.grad_of)
         self.fresh = gradients.fresh
 
@@ -463,18 +488,24 @@ class StepSimulation(VertexFacts):
         """Non-reentrant checkpoint re-runs the stage's forward when its backward starts;
         values it does not save die as soon as the recomputation no longer reads them."""
         stage, base, stage_of, kept = self.stages[k], self.base, self.stage_of, self.kept[k]
-        re_refs = {v: sum(1 for w in self.succ[v] if stage_of[w] == k and base[w] != base[v])
-                   for v in stage}
+        succ, pred = self.succ, self.pred
+        re_refs: dict[str, int] = {}
+        for v in stage:
+            bv = base[v]
+            count = 0
+            for w in succ[v]:
+                if stage_of[w] == k and base[w] != bv:
+                    count += 1
+            re_refs[v] = count
         for v in stage:
             if base[v] != v and stage_of[base[v]] == k and v not in kept:
                 re_refs[base[v]] += re_refs[v] + 1
         # A value recomputed in the stage lives in a new storage, unless it is a view of a
         # kept value: then it is a view of the kept storage.
-        rkey: dict[str, object] = {
-            v: (("rval", base[v]) if stage_of[base[v]] == k and v not in kept and base[v] not in kept
-                else self._val(v))
-            for v in stage
-        }
+        rkey: dict[str, object] = {}
+        for v in stage:
+            bv = base[v]
+            rkey[v] = ("rval", bv) if stage_of[bv] == k and v not in kept and bv not in kept else ("val", bv)
         # A kept op whose output turned out to share the storage of a value recomputed in
         # the stage (a dropout of probability 0, a cast to the dtype it has, return their
         # input): what its readers save of that storage is the kept one; the recomputed
@@ -487,27 +518,69 @@ class StepSimulation(VertexFacts):
         # that run again: the recomputation's frame holds each until it ends, as it holds
         # the kept ones it hands on (its early stop raises before the program returns).
         outputs = self.shared.outputs
-        self.frame_returns = {v for v in self.schedule.stages[k].reached
-                              if v not in kept and (v in outputs or any(stage_of[w] != k for w in self.succ[v]))}
+        schedule = self.schedule.stages[k]
+        frame_returns = self.frame_returns = {
+            v for v in schedule.reached
+            if v not in kept and (v in outputs or any(stage_of[w] != k for w in succ[v]))}
         fork = ("rng_fork", k)
-        stash = self.shared.rng_state_bytes if self.schedule.stages[k].draws_random else 0
+        stash = self.shared.rng_state_bytes if schedule.draws_random else 0
+        mem = self.mem
         if stash:
             # fork_rng's copy of the generator's state, for the recomputation's length.
-            self.mem.alloc(fork, stash, 1)
-        schedule = self.schedule.stages[k]
+            mem.alloc(fork, stash, 1)
+        alloc, release, refs = mem.alloc, mem.release, mem.refs
+        saved_refs, extra, held, later_saves = self.saved_refs, self.extra, self.held, self.later_saves
+        node, size, events, frame_kept = self.node, self.size, self.timeline.events, self.frame_kept
+        packed_only = schedule.packed_only
         for v in schedule.reached:
-            saved_key = {r: (self._val(r) if any(u in kept_aliases.get(r, ()) for u in self.pred[v]) else rkey[r])
-                         for r in self.saved_refs[v] if stage_of[r] == k}
-            if v == schedule.packed_only:
-                self._save_for_backward(v, [saved_key[r] if stage_of[r] == k else ("val", base[r])
-                                            for r in self.saved_refs[v]])
-                self.timeline.events.append(Event("recompute", v, self.mem.live, self.mem.live, k))
-            else:
-                self._recompute_op(k, v, rkey, re_refs, saved_key)
+            # What v's op saves: values of the stage as recomputed (a kept alias's storage
+            # where v reads the kept alias), others as the forward made them.
+            saved: list[object] = []
+            for r in saved_refs[v]:
+                if stage_of[r] != k or (kept_aliases and any(u in kept_aliases.get(r, ()) for u in pred[v])):
+                    saved.append(("val", base[r]))
+                else:
+                    saved.append(rkey[r])
+            if v in kept:
+                self._hand_on_kept(k, v, rkey, re_refs, saved)
+                continue
+            if v == packed_only:
+                self._save_for_backward(v, saved)
+                events.append(Event("recompute", v, mem.live, mem.live, k))
+                continue
+            bv = base[v]
+            mine = rkey[v]
+            if bv == v:
+                alloc(mine, size[v], re_refs[v])
+                savers = later_saves.get(v)
+                if savers:
+                    for saver in savers:
+                        if stage_of[saver] == k:
+                            refs[mine] += 1
+                            held[saver].append(mine)
+            if extra[v]:
+                alloc(("extra", v), extra[v], 1)
+                held[v].append(("extra", v))
+            for key in saved:
+                refs[key] += 1
+                held[v].append(key)
+            if v in frame_returns:
+                refs[mine] += 1
+                frame_kept.append(mine)
+            peak = mem.live + node[v].ws_fwd
+            for u in pred[v]:
+                bu = base[u]
+                if bu != bv and stage_of[bu] == k:
+                    release(rkey[u])
+            if bv != v and stage_of[bv] == k:
+                release(mine)
+            if refs.get(mine) == 0:
+                mem.settle(mine)
+            events.append(Event("recompute", v, mem.live, peak, k))
         self._end_recomputation(k, schedule, rkey)
         if stash:
-            self.mem.release(fork)
-            self.timeline.events[-1].live_bytes = self.mem.live
+            mem.release(fork)
+            events[-1].live_bytes = mem.live
 
     def _end_recomputation(self, k: int, schedule: StageSchedule, rkey: dict[str, object]) -> None:
         """The recomputation ends, at the stage's last saving op (``Schedule``), and its
@@ -541,40 +614,12 @@ class StepSimulation(VertexFacts):
         if self.timeline.events:
             self.timeline.events[-1].live_bytes = mem.live
 
-    def _recompute_op(self, k: int, v: str, rkey: dict[str, object],
-                      re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
-        mem, base, stage_of = self.mem, self.base, self.stage_of
-        if v in self.kept[k]:
-            self._hand_on_kept(k, v, rkey, re_refs, saved_key)
-            return
-        bv = base[v]
-        mine = rkey[v]
-        if bv == v:
-            mem.alloc(mine, self.size[v], re_refs[v])
-            for saver in self.later_saves.get(v, ()):
-                if self.stage_of[saver] == k:
-                    mem.hold(mine)
-                    self.held[saver].append(mine)
-        self._save_for_backward(
-            v, [saved_key[r] if stage_of[r] == k else ("val", base[r]) for r in self.saved_refs[v]])
-        if v in self.frame_returns:
-            mem.hold(mine)
-            self.frame_kept.append(mine)
-        peak = mem.live + self.node[v].ws_fwd
-        for u in self.pred[v]:
-            bu = base[u]
-            if bu != bv and stage_of[bu] == k:
-                mem.release(rkey[u])
-        if bv != v and stage_of[bv] == k:
-            mem.release(mine)
-        mem.settle(mine)
-        self.timeline.events.append(Event("recompute", v, mem.live, peak, k))
-
     def _hand_on_kept(self, k: int, v: str, rkey: dict[str, object],
-                      re_refs: dict[str, int], saved_key: dict[str, object]) -> None:
+                      re_refs: dict[str, int], saved: list[object]) -> None:
         """A kept boundary op does not run again: its kept outputs become the recomputed
-        stage's (held by its readers in the stage and by what its own backward saves), and
-        the checkpoint's own reference goes to the recomputation's frame."""
+        stage's (held by its readers in the stage and by what its own backward saves, the
+        storages ``saved``), and the checkpoint's own reference goes to the recomputation's
+        frame."""
         mem = self.mem
         key = self.kept_held.pop(v)
         for _ in range(re_refs[v]):
@@ -583,8 +628,7 @@ class StepSimulation(VertexFacts):
         self.held[v] = []
         for held in extra:
             self.held[v].append(held)
-        for r in self.saved_refs[v]:
-            ref = saved_key[r] if self.stage_of[r] == k else self._val(r)
+        for ref in saved:
             mem.hold(ref)
             self.held[v].append(ref)
         for u in self.pred[v]:
@@ -615,54 +659,54 @@ class StepSimulation(VertexFacts):
 
     # ---- backward --------------------------------------------------------------------------
     def _backward_stage(self, k: int) -> None:
+        # Hot (see forward_stage): locals bound once per stage.
+        mem, node, grad_of, held, events = self.mem, self.node, self.grad_of, self.held, self.timeline.events
+        pred, requires, base, gradient_peak = self.pred, self.requires, self.base, self.gradient_peak
+        extra, param_grad_at = self.extra, ({} if self.grads_resident else self.param_grad_at)
+        alloc, release, refs, accumulate = mem.alloc, mem.release, mem.refs, self._accumulate
         for v in reversed(self.stages[k]):
-            self._backward_op(k, v)
+            n = node[v]
+            my_grad = grad_of.pop(v, None)
+            transient = n.ws_bwd
+            op = n.op
+            if op in INTERNAL_GRADIENT_OPS:
+                transient = max(transient, extra[v])
+            peak_extra = 0
+            if my_grad is not None:
+                # v's backward hands a gradient to each predecessor that needs one; what
+                # is added into an existing gradient is live only at this op's peak.
+                passthrough = op in GRAD_PASSTHROUGH_OPS
+                cast = op in CAST_OPS
+                for u in pred[v]:
+                    if not requires[u]:
+                        continue
+                    if passthrough or (cast and base[u] == base[v]):
+                        incoming = my_grad
+                        refs[incoming] += 1
+                    else:
+                        self.fresh += 1
+                        incoming = ("grad", self.fresh)
+                        alloc(incoming, node[u].mem, 1)
+                    peak_extra += accumulate(u, incoming)
+                pb = param_grad_at.get(v, 0)
+                if pb:
+                    # The first step's parameter gradients: allocated here, kept.
+                    alloc(("param_grad", v), pb, 1)
+            peak = mem.live + transient + peak_extra
+            gradient_peak[v] = mem.grad_live + peak_extra + transient
+            if my_grad is not None:
+                release(my_grad)
+            saved = held.pop(v, None)
+            if saved:
+                for key in saved:
+                    release(key)
+            events.append(Event("backward", v, mem.live, peak, k))
         if self.closure[k]:
             # The checkpointed stage's frame, and the inputs it kept, go with its last op.
             for key in self.closure[k]:
-                self.mem.release(key)
+                release(key)
             self.closure[k] = []
-            self.timeline.events[-1].live_bytes = self.mem.live
-
-    def _backward_op(self, k: int, v: str) -> None:
-        n, mem = self.node[v], self.mem
-        my_grad = self.grad_of.pop(v, None)
-        transient = n.ws_bwd
-        if n.op in INTERNAL_GRADIENT_OPS:
-            transient = max(transient, self.extra[v])
-        peak_extra = 0
-        if my_grad is not None:
-            peak_extra = self._pass_gradient(v, my_grad)
-            pb = 0 if self.grads_resident else self.param_grad_at.get(v, 0)
-            if pb:
-                # The first step's parameter gradients: allocated here, kept.
-                mem.alloc(("param_grad", v), pb, 1)
-        peak = mem.live + transient + peak_extra
-        self.gradient_peak[v] = mem.grad_live + peak_extra + transient
-        if my_grad is not None:
-            mem.release(my_grad)
-        held = self.held.pop(v, None)
-        if held:
-            for key in held:
-                mem.release(key)
-        self.timeline.events.append(Event("backward", v, mem.live, peak, k))
-
-    def _pass_gradient(self, v: str, my_grad: object) -> int:
-        """v's backward hands a gradient to each predecessor that needs one; returns the
-        bytes live only at this op's peak (fresh gradients added into an existing one)."""
-        op = self.node[v].op
-        passthrough = op in GRAD_PASSTHROUGH_OPS
-        peak_extra = 0
-        for u in self.pred[v]:
-            if not self.requires[u]:
-                continue
-            if passthrough or (op in CAST_OPS and self.base[u] == self.base[v]):
-                incoming = my_grad
-                self.mem.hold(incoming)
-            else:
-                incoming = self._new_grad(self.node[u].mem)
-            peak_extra += self._accumulate(u, incoming)
-        return peak_extra
+            events[-1].live_bytes = mem.live
 
     def _new_grad(self, nbytes: int) -> object:
         self.fresh += 1

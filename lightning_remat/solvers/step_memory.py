@@ -98,11 +98,19 @@ class Storages:
         self.refs[key] += 1
 
     def release(self, key: object) -> None:
-        count = self.refs[key] - 1
+        refs = self.refs
+        count = refs[key] - 1
         if count > 0:
-            self.refs[key] = count
-        else:
-            self._free(key)
+            refs[key] = count
+            return
+        # ``_free``, inline: the simulator releases a storage several times per op.
+        del refs[key]
+        nbytes = self.size.pop(key)
+        self.live -= nbytes
+        if key[0] in GRADIENT_KINDS:  # type: ignore[index]
+            self.grad_live -= nbytes
+        if nbytes >= self.threshold:
+            self.mapped -= 1
 
     def settle(self, key: object) -> None:
         """Free a storage allocated with no owner (a value nothing reads)."""
