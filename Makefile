@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 endif
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv bench bench-equal-memory bench-peers clean
+.PHONY: demo test durations lint venv bench bench-equal-memory bench-peers clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,11 @@ demo: venv
 
 # The suite (the zoo of transformers, timm and torchvision models included) on both cores.
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
+
+durations: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests --junitxml=.durations.xml
+	$(BIN)/python -m tests.file_seconds .durations.xml
 
 lint: venv
 	$(BIN)/ruff check .

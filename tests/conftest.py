@@ -12,6 +12,12 @@ without workers keeps torch's default.
 file shares (a spawn of ranks, an allocator's-edge child, a zoo model's plan) are made once.
 pytest-xdist's ``loadgroup`` would group finer, but under pytest 9 it groups nothing: it
 renames node ids through a field pytest 9 no longer reads.
+
+The files go to the workers longest first (``tests/file_seconds.json``, from a run's report:
+``make durations``; a file it does not list counts as long), with xdist's own reordering by
+the number of tests off (``--no-loadscope-reorder``): by that number the allocator's-edge
+files, a few tests each and a minute or more, came last, and one worker ran them while the
+other sat idle (on a run's figures, 919 and 836 s of work against 877 and 877).
 """
 
 from __future__ import annotations
@@ -32,3 +38,13 @@ if _THREADS is not None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.file_seconds import load
+
+    seconds = load()
+    unknown = max(seconds.values(), default=0)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], unknown))
