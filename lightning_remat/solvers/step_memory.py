@@ -82,15 +82,6 @@ class Storages:
             self.mapped += 1
             self.mapped_peak = max(self.mapped_peak, self.mapped)
 
-    def _free(self, key: object) -> None:
-        del self.refs[key]
-        nbytes = self.size.pop(key)
-        self.live -= nbytes
-        if key[0] in GRADIENT_KINDS:  # type: ignore[index]
-            self.grad_live -= nbytes
-        if nbytes >= self.threshold:
-            self.mapped -= 1
-
     def is_live(self, key: object) -> bool:
         return key in self.refs
 
@@ -103,7 +94,8 @@ class Storages:
         if count > 0:
             refs[key] = count
             return
-        # ``_free``, inline: the simulator releases a storage several times per op.
+        # Freed here, not in a method of its own: the simulator releases storages several
+        # times per op.
         del refs[key]
         nbytes = self.size.pop(key)
         self.live -= nbytes
@@ -115,7 +107,8 @@ class Storages:
     def settle(self, key: object) -> None:
         """Free a storage allocated with no owner (a value nothing reads)."""
         if self.refs.get(key) == 0:
-            self._free(key)
+            self.refs[key] = 1  # its only reference, the op's own, goes
+            self.release(key)
 
 
 MAPPED_BUFFER_BYTES = 128 * 2**10
