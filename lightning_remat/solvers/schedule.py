@@ -303,19 +303,21 @@ def _boundary(parts: ScheduleParts, stage_of: dict[str, int], k: int, vertices: 
     too (the stage-cost fold's upper bound: a later recomputed stage holds such a value
     as its input until its backward, which the fold's cache must count; kept, the storage
     is held until this stage's recomputation, no shorter)."""
-    succ, outputs, random, inplace, alias = parts.succ, parts.outputs, parts.random, parts.inplace, parts.aliases
-    kept = []
-    for v in vertices:
-        if v in random or (v in inplace and v not in rewritten) or not (aliases or v in inplace or v not in alias):
-            continue
-        if v in outputs:
-            kept.append(v)
-            continue
-        for w in succ[v]:
-            if stage_of[w] != k:
-                kept.append(v)
-                break
-    return frozenset(kept)
+    random, inplace, alias = parts.random, parts.inplace, parts.aliases
+    return frozenset(
+        v for v in vertices
+        if v not in random and (v in rewritten or v not in inplace)
+        and (aliases or v in inplace or v not in alias) and _crosses(parts, stage_of, v, k))
+
+
+def _crosses(parts: ScheduleParts, stage_of: dict[str, int], x: str, k: int) -> bool:
+    """Whether ``x`` (of stage ``k``) is a model output or read outside its stage."""
+    if x in parts.outputs:
+        return True
+    for w in parts.succ[x]:
+        if stage_of[w] != k:
+            return True
+    return False
 
 
 def _reached(parts: ScheduleParts, vertices: tuple[str, ...]) -> tuple[str, ...]:
@@ -393,16 +395,9 @@ def _rewritten(parts: ScheduleParts, stage_of: dict[str, int], actions: list[str
     if not parts.inplace:
         return set(), set()
     recomputed = [a == "recompute" for a in actions]
-    succ, outputs = parts.succ, parts.outputs
 
     def crosses(x: str) -> bool:
-        if x in outputs:
-            return True
-        s = stage_of[x]
-        for w in succ[x]:
-            if stage_of[w] != s:
-                return True
-        return False
+        return _crosses(parts, stage_of, x, stage_of[x])
 
     def moved(w: str, before: bool, s: int) -> bool:
         """Whether reader ``w`` of what op v (in stage ``s``) writes sees it otherwise than
