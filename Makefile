@@ -45,6 +45,8 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 
+# The suite as `make test` runs it, then tests/file_seconds.json from its report: the order in
+# which the test files go to the workers, longest first (tests/conftest.py).
 durations: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests --junitxml=.durations.xml
 	$(BIN)/python -m tests.file_seconds .durations.xml
