@@ -41,8 +41,8 @@ from lightning_remat.solvers.schedule import make_schedule
 from lightning_remat.solvers.scoring import make_plan
 
 __all__ = [
-    "TIMED_STEPS", "TIME_POINTS", "StepTimes", "correct_times", "metered_step",
-    "predicted_extra_seconds", "time_error", "timed_rotation", "timed_steps", "watch_backward",
+    "TIMED_STEPS", "TIME_POINTS", "StepTimes", "correct_times", "metered_step", "pooled",
+    "predicted_extra_seconds", "time_error", "timed_rotation", "timed_steps", "undecided", "watch_backward",
 ]
 
 TIME_POINTS = 0.05
@@ -113,6 +113,10 @@ class StepTimes:
     noise_seconds: float = 0.0
     """How far the second-least step of a kind lay above the least, the larger of the two
     kinds: a difference within it is not told apart from noise."""
+    plain_samples: tuple[float, ...] = ()
+    """Every plain step's time (empty where only the least was kept)."""
+    planned_samples: tuple[float, ...] = ()
+    """Every planned step's time (empty where only the least was kept)."""
 
     @property
     def extra_seconds(self) -> float:
@@ -143,9 +147,31 @@ def timed_rotation(plain: Callable[[], None], others: Sequence[Callable[[], None
             run()
             sync()
             taken.append(time.perf_counter() - start)
-    least = [sorted(taken) for taken in times]
-    return [StepTimes(least[0][0], other[0], max(least[0][1] - least[0][0], other[1] - other[0]))
-            for other in least[1:]]
+    return [_least(times[0], other) for other in times[1:]]
+
+
+def _least(plain: Sequence[float], planned: Sequence[float]) -> StepTimes:
+    """The least of each kind's step times, and the noise (:attr:`StepTimes.noise_seconds`)."""
+    p, q = sorted(plain), sorted(planned)
+    noise = max(p[1] - p[0], q[1] - q[0]) if len(p) > 1 and len(q) > 1 else 0.0
+    return StepTimes(p[0], q[0], noise, tuple(plain), tuple(planned))
+
+
+def pooled(first: StepTimes, more: StepTimes) -> StepTimes:
+    """Two timings of the same pair of steps read as one, from all their steps (the noise
+    of the least of more steps is smaller); ``more`` alone where either kept no steps."""
+    if not (first.plain_samples and first.planned_samples and more.plain_samples and more.planned_samples):
+        return more
+    return _least(first.plain_samples + more.plain_samples, first.planned_samples + more.planned_samples)
+
+
+def undecided(predicted_extra_seconds: float, measured: StepTimes) -> bool:
+    """Whether the measured extra time is off the prediction by more than
+    :data:`TIME_POINTS` of the plain step but not by more than twice the noise: the error
+    :func:`time_error` would act on, were the noise smaller. Timing more steps
+    (:func:`pooled`) tells the two apart."""
+    off = abs(measured.extra_seconds - float(predicted_extra_seconds))
+    return measured.plain_seconds > 0 and TIME_POINTS * measured.plain_seconds < off <= 2 * measured.noise_seconds
 
 
 def time_error(predicted_extra_seconds: float, measured: StepTimes) -> float | None:
