@@ -179,7 +179,7 @@ def measure(name: str, cache_dir: str, repeats: int, edge: bool) -> dict[str, An
     row["plain_step_seconds"] = statistics.median(spent["plain"])
     row["measured_extra"] = statistics.median(spent["remat"]) / row["plain_step_seconds"] - 1
     # The prediction as a share of the plain step timed here, as the measurement is: the
-    # profile's step is an instrumented one, 1.4 times the plain step on these small models.
+    # profile's step is an instrumented one (on the Qwen2, 171 ms where the plain step took 121).
     row["predicted_extra"] = row["predicted_extra_seconds"] / row["plain_step_seconds"]
     return row
 
