@@ -123,17 +123,13 @@ def test_a_step_off_its_prediction_within_the_noise_is_timed_again_then_correcte
     times are corrected and the plan chosen again, as where the first timing showed it."""
     calls: list[int] = []
 
-    def noisy_then_quiet(plain, planned, device) -> StepTimes:
-        calls.append(1)
-        plain()
-        planned()
-        first = first_plans[-1]
+    def noisy_then_quiet(call: int, first) -> StepTimes:
         off = 0.5 * first.count("recompute")
-        if len(calls) == 3:  # the plan chosen again: as its first plan was predicted
+        if call == 3:  # the plan chosen again: as its first plan was predicted
             return StepTimes(1.0, 1.0 + first.predicted_extra_seconds, 0.0)
-        return StepTimes(1.0, 1.0 + first.predicted_extra_seconds + off, off if len(calls) == 1 else 0.0)
+        return StepTimes(1.0, 1.0 + first.predicted_extra_seconds + off, off if call == 1 else 0.0)
 
-    planner, x = _chain_planner(noisy_then_quiet)
+    planner, x = _chain_planner(_injected(noisy_then_quiet, first_plans, calls))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         planner.last = planner.planned_for((x,), {})
@@ -176,6 +172,19 @@ def _trains_as(planner: Planner, reference: nn.Module, x: torch.Tensor) -> None:
             torch.testing.assert_close(mine.grad, theirs.grad)
 
 
+def _injected(times, first_plans: list, calls: list[int]):
+    """A step timer for the planner that runs each step once (leaving the module as it
+    was), counts its calls in ``calls`` and answers ``times(the call's number, the plan the
+    time check started from)``."""
+    def timer(plain, planned, device) -> StepTimes:
+        calls.append(1)
+        plain()
+        planned()
+        return times(len(calls), first_plans[-1])
+
+    return timer
+
+
 @pytest.fixture
 def first_plans(monkeypatch) -> list:
     """The plan each time check starts from, in order."""
@@ -199,16 +208,12 @@ def test_a_step_off_its_predicted_time_is_planned_again_with_corrected_times_onc
     the plan chosen again once), and the model trains as the plain model does."""
     calls: list[int] = []
 
-    def slow(plain, planned, device) -> StepTimes:
-        calls.append(1)
-        plain()
-        planned()  # each step runs, leaving the module as it was
-        first = first_plans[-1]
-        if len(calls) % 2 == 0:  # the plan chosen again: as its first plan was predicted
+    def slow(call: int, first) -> StepTimes:
+        if call % 2 == 0:  # the plan chosen again: as its first plan was predicted
             return StepTimes(1.0, 1.0 + first.predicted_extra_seconds, 0.0)
         return StepTimes(1.0, 1.0 + first.predicted_extra_seconds + 0.5 * first.count("recompute"), 0.0)
 
-    planner, x = _chain_planner(slow)
+    planner, x = _chain_planner(_injected(slow, first_plans, calls))
     reference = copy.deepcopy(planner.module)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -240,17 +245,11 @@ def test_a_plan_chosen_again_that_measures_no_faster_is_not_taken(first_plans) -
     does."""
     calls: list[int] = []
 
-    def noisy(plain, planned, device) -> StepTimes:
-        calls.append(1)
-        plain()
-        planned()
-        first = first_plans[-1]
+    def noisy(call: int, first) -> StepTimes:
         base = first.predicted_extra_seconds  # a plain step of that length: 5 points are less
-        if len(calls) == 1:
-            return StepTimes(base, base, 0.0)
-        return StepTimes(base, 3 * base, 0.0)
+        return StepTimes(base, base, 0.0) if call == 1 else StepTimes(base, 3 * base, 0.0)
 
-    planner, x = _chain_planner(noisy, stage_seconds=0.1)
+    planner, x = _chain_planner(_injected(noisy, first_plans, calls), stage_seconds=0.1)
     reference = copy.deepcopy(planner.module)
     corrected: list[Graph] = []
     original = planner_module.first_step.correct_times
